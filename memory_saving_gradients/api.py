@@ -1,0 +1,230 @@
+"""The public entry points: check the input, then run the pipeline.
+
+graph model -> selection -> plan -> rewrite. Everything here is about
+argument handling and reporting; the work happens in the rooms.
+"""
+
+import collections.abc
+import dataclasses
+import logging
+
+import tensorflow as tf
+
+from memory_saving_gradients import graph_model
+from memory_saving_gradients import planning
+from memory_saving_gradients import rewrite
+from memory_saving_gradients import selection
+from memory_saving_gradients import simulation
+
+logger = logging.getLogger("memory_saving_gradients")
+
+MODES = ("collection", "memory", "speed")
+COLLECTION = "checkpoints"
+_TF_GRADIENTS_ARGS = frozenset({
+    "name", "colocate_gradients_with_ops", "gate_gradients", "aggregation_method",
+    "stop_gradients", "unconnected_gradients"})
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointPlan:
+    """What `gradients` would do, computed without changing the graph.
+
+    Attributes:
+      mode: 'collection', 'memory', 'speed' or 'list'.
+      checkpoints: tensors the mode chose to keep.
+      pinned: tensors kept because they cannot be recomputed (outputs of
+        stateful or control-flow ops, their inputs, xs inside the region).
+      num_recomputed_ops: ops copied and rerun during backprop.
+      num_forward_ops: ops between xs and ys.
+      estimate: simulated memory and recompute cost (simulation.Estimate).
+      notes: fallbacks taken and inputs ignored.
+    """
+    mode: str
+    checkpoints: tuple
+    pinned: tuple
+    num_recomputed_ops: int
+    num_forward_ops: int
+    estimate: simulation.Estimate
+    notes: tuple
+    plan: planning.Plan = dataclasses.field(repr=False)
+
+    def __str__(self):
+        est = self.estimate
+        lines = [
+            f"mode {self.mode!r}: keep {len(self.checkpoints)} checkpoints "
+            f"(+{len(self.pinned)} pinned), recompute {self.num_recomputed_ops} of "
+            f"{self.num_forward_ops} forward ops",
+            f"simulated activation memory {est.peak_bytes / 2**20:.1f} MiB vs "
+            f"{est.baseline_bytes / 2**20:.1f} MiB for tf.gradients "
+            f"({est.memory_ratio:.0%}), extra forward work "
+            f"{est.recompute_flops / max(est.forward_flops, 1):.0%}",
+        ]
+        lines += [f"checkpoint: {t.name} {t.shape} {t.dtype.name}" for t in self.checkpoints]
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def gradients(ys, xs, grad_ys=None, checkpoints="collection", **kwargs):
+    """Drop-in for `tf.gradients` that keeps only checkpoints and recomputes the rest.
+
+    Args:
+      ys, xs, grad_ys: as for `tf.gradients` (tensors, or resource variables as xs).
+      checkpoints: a list of tensors to keep, or 'collection' (the tensors in
+        the graph collection 'checkpoints'), 'memory' (~sqrt(n) bottlenecks) or
+        'speed' (outputs of matmuls, convolutions, einsums).
+      **kwargs: `name`, `gate_gradients`, `aggregation_method`,
+        `stop_gradients`, `unconnected_gradients`, `colocate_gradients_with_ops`,
+        passed on to `tf.gradients`.
+
+    Returns:
+      A list with one gradient (Tensor, IndexedSlices or None) per x.
+
+    Raises:
+      RuntimeError: when called eagerly (wrap the step in `tf.function`).
+      TypeError / ValueError: on malformed arguments, naming the problem.
+    """
+    unknown = set(kwargs) - _TF_GRADIENTS_ARGS
+    if unknown:
+        raise TypeError(f"gradients() got unexpected keyword arguments {sorted(unknown)}; "
+                        f"it accepts those of tf.compat.v1.gradients: "
+                        f"{sorted(_TF_GRADIENTS_ARGS)}")
+    ys, xs, grad_ys = _normalise(ys, xs, grad_ys)
+    tf_kwargs = dict(kwargs)
+    stops = _as_tensors(tf_kwargs.pop("stop_gradients", None) or [], "stop_gradients")
+    unconnected = tf.UnconnectedGradients(
+        tf_kwargs.pop("unconnected_gradients", tf.UnconnectedGradients.NONE))
+    name = tf_kwargs.pop("name", None) or "gradients"
+    report = _plan(ys, xs, checkpoints)
+    logger.info("memory_saving_gradients: %s", str(report).replace("\n", "; "))
+    with ys[0].graph.name_scope(name):
+        return rewrite.backprop(report.plan, ys, xs, grad_ys, stops, tf_kwargs, unconnected)
+
+
+def gradients_memory(ys, xs, grad_ys=None, **kwargs):
+    """`gradients` keeping ~sqrt(n) bottleneck tensors (checkpoints='memory')."""
+    return gradients(ys, xs, grad_ys, checkpoints="memory", **kwargs)
+
+
+def gradients_speed(ys, xs, grad_ys=None, **kwargs):
+    """`gradients` keeping outputs of expensive ops (checkpoints='speed')."""
+    return gradients(ys, xs, grad_ys, checkpoints="speed", **kwargs)
+
+
+def gradients_collection(ys, xs, grad_ys=None, **kwargs):
+    """`gradients` keeping the tensors in the 'checkpoints' collection."""
+    return gradients(ys, xs, grad_ys, checkpoints="collection", **kwargs)
+
+
+def checkpoint_plan(ys, xs, checkpoints="memory"):
+    """The checkpoints and recompute count `gradients` would use; adds no ops.
+
+    Example:
+      >>> print(memory_saving_gradients.checkpoint_plan(loss, model.weights))
+    """
+    ys, xs, _ = _normalise(ys, xs, None)
+    return _plan(ys, xs, checkpoints)
+
+
+def _plan(ys, xs, checkpoints):
+    model = graph_model.build_model(ys, xs)
+    mode, chosen = _select(model, ys, xs, checkpoints)
+    plan = planning.make_plan(model, chosen.names, mode, chosen.notes)
+    graph = ys[0].graph
+    kept = set(plan.chosen)
+    return CheckpointPlan(
+        mode=mode,
+        checkpoints=tuple(graph.get_tensor_by_name(n) for n in plan.chosen),
+        pinned=tuple(graph.get_tensor_by_name(n) for n in plan.checkpoints
+                     if n not in kept),
+        num_recomputed_ops=plan.num_recomputed_ops,
+        num_forward_ops=model.num_region_ops,
+        estimate=simulation.estimate(model, plan),
+        notes=plan.notes,
+        plan=plan)
+
+
+def _select(model, ys, xs, checkpoints):
+    """Runs the selection strategy `checkpoints` names; returns (mode, Selection)."""
+    graph = ys[0].graph
+    if isinstance(checkpoints, str):
+        if checkpoints in selection.STRATEGIES:
+            return checkpoints, selection.STRATEGIES[checkpoints](model)
+        if checkpoints == "collection":
+            found = [t for t in graph.get_collection(COLLECTION)
+                     if isinstance(t, tf.Tensor) and t.graph is graph]
+            if not found:
+                logger.warning("memory_saving_gradients: the %r collection is empty; "
+                               "nothing is recomputed (same as tf.gradients). Add "
+                               "tensors with tf.compat.v1.add_to_collection(%r, t).",
+                               COLLECTION, COLLECTION)
+            # Tensors elsewhere in the graph may be meant for other gradients calls.
+            return "collection", selection.explicit(model, [t.name for t in found])
+        raise ValueError(f"unknown checkpoints mode {checkpoints!r}: use one of "
+                         f"{', '.join(map(repr, MODES))} or a list of tensors")
+    tensors = _as_tensors(checkpoints, "checkpoints")
+    _check_same_graph(tensors, graph, "checkpoints")
+    x_names = {x.name for x in xs}
+    for t in tensors:
+        if getattr(t.op, "_control_flow_context", None) is not None:
+            raise ValueError(f"checkpoint {t.name} is inside a tf.while_loop or tf.cond "
+                             f"body; checkpoint the loop's or cond's outputs instead")
+        if t.name not in model.region and t.name not in x_names:
+            raise ValueError(f"checkpoint {t.name} is not between xs and ys: it does not "
+                             f"depend on any x or no y depends on it; pass tensors on "
+                             f"the path from xs to ys")
+    return "list", selection.explicit(model, [t.name for t in tensors])
+
+
+def _normalise(ys, xs, grad_ys):
+    if tf.executing_eagerly():
+        raise RuntimeError(
+            "memory_saving_gradients works on graphs, and TensorFlow is executing "
+            "eagerly: wrap the training step in tf.function (or build a "
+            "tf.compat.v1 graph), as tf.gradients requires too")
+    ys = _as_tensors(ys, "ys", allow_variables=True)
+    if not ys:
+        raise ValueError("ys is empty: pass the tensor(s) to differentiate")
+    xs = _as_tensors(xs, "xs", allow_variables=True)
+    graph = ys[0].graph
+    if graph is not tf.compat.v1.get_default_graph():
+        raise ValueError(f"ys belong to graph {graph}, but the default graph is "
+                         f"another: call gradients inside the graph or tf.function "
+                         f"that built ys")
+    _check_same_graph(ys, graph, "ys")
+    _check_same_graph(xs, graph, "xs")
+    if grad_ys is not None:
+        grad_ys = _as_tensors(grad_ys, "grad_ys", allow_none=True)
+        if len(grad_ys) != len(ys):
+            raise ValueError(f"grad_ys has {len(grad_ys)} entries but ys has {len(ys)}; "
+                             f"pass one gradient (or None) per y")
+        _check_same_graph([g for g in grad_ys if g is not None], graph, "grad_ys")
+    return ys, xs, grad_ys
+
+
+def _as_tensors(values, what, allow_variables=False, allow_none=False):
+    """A list of graph tensors; resource variables become their handles."""
+    if isinstance(values, (tf.Tensor, tf.Variable, tf.IndexedSlices)) or values is None:
+        values = [values]
+    elif not isinstance(values, collections.abc.Iterable) or isinstance(values, (str, bytes)):
+        raise TypeError(f"{what} must be a tensor or a list of tensors, got "
+                        f"{type(values).__name__}: {values!r}")
+    out = []
+    for i, v in enumerate(values):
+        if v is None and allow_none:
+            out.append(None)
+        elif isinstance(v, tf.Variable) and allow_variables:
+            out.append(tf.convert_to_tensor(v.handle) if what == "xs"
+                       else tf.convert_to_tensor(v))
+        elif tf.is_symbolic_tensor(v):
+            out.append(v)
+        else:
+            raise TypeError(f"{what}[{i}] must be a tf.Tensor in a graph, got "
+                            f"{type(v).__name__}: {v!r}")
+    return out
+
+
+def _check_same_graph(tensors, graph, what):
+    for t in tensors:
+        if t.graph is not graph:
+            raise ValueError(f"{what} tensor {t.name} belongs to a different graph than "
+                             f"ys; build all tensors in one graph or tf.function")

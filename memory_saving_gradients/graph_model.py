@@ -1,0 +1,211 @@
+"""Graph model: read the forward ops between xs and ys once into a plain networkx graph.
+
+Everything after this module (selection, planning, simulation) sees only the
+`GraphModel`, never TensorFlow objects, so it can be tested without TF.
+
+Vocabulary used across the package:
+
+* region: ops that depend on some x and that some y depends on (data edges only).
+* activation: a region tensor that carries per-example data (it depends on a
+  data input such as a placeholder or a tf.function argument). Only activations
+  are checkpointed or recomputed; tensors that depend only on xs (variable
+  reads, casts of weights) are parameter-sized and always kept.
+* recomputable: an op that may be copied and rerun. Stateful ops (random ops,
+  variable reads), control flow and function calls are not: their outputs and
+  activation inputs are pinned as checkpoints instead.
+"""
+
+import dataclasses
+import math
+
+import networkx as nx
+import tensorflow as tf
+
+# Ops whose copies would not behave like the original (or could not be
+# differentiated when copied): their outputs are kept instead of recomputed.
+CONTROL_FLOW_OP_TYPES = frozenset({
+    "Switch", "RefSwitch", "Merge", "RefMerge", "Enter", "RefEnter", "Exit",
+    "RefExit", "NextIteration", "RefNextIteration", "LoopCond", "ControlTrigger",
+    "If", "StatelessIf", "While", "StatelessWhile", "Case", "StatelessCase",
+    "PartitionedCall", "StatefulPartitionedCall", "SymbolicGradient",
+})
+
+# Ops that feed per-example data into a graph.
+DATA_SOURCE_OP_TYPES = frozenset({
+    "Placeholder", "PlaceholderV2", "PlaceholderWithDefault", "IteratorGetNext",
+    "IteratorGetNextSync", "IteratorGetNextAsOptional", "OptionalGetValue",
+})
+
+_OPAQUE_DTYPES = (tf.resource, tf.variant, tf.string)
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphModel:
+    """The forward region between xs and ys, as plain data.
+
+    Attributes:
+      graph: DiGraph over activation tensor names; an edge a -> b means b's op
+        reads a. Node attributes: ``op`` (op name), ``op_type``, ``bytes``
+        (from the static shape, unknown dims counted as 1), ``cost`` (rough
+        FLOPs of the producing op), ``recomputable`` (bool), ``float`` (bool).
+      order: activation tensor names in a topological order.
+      pinned: activation tensors that must be kept: outputs and activation
+        inputs of ops that cannot be recomputed, and xs inside the region.
+      ys: names of the ys that are activations.
+      op_outputs: op name -> its activation output names (the unit a
+        checkpoint is expanded to, so no output of a copied op is forgotten).
+      other_bytes: bytes of region tensors that are not activations (weights).
+      region: names of all tensors produced between xs and ys.
+      num_region_ops: how many ops lie between xs and ys.
+    """
+    graph: nx.DiGraph
+    order: tuple
+    pinned: frozenset
+    ys: tuple
+    op_outputs: dict
+    other_bytes: int
+    region: frozenset
+    num_region_ops: int
+
+    def op_of(self, tensor_name):
+        return self.graph.nodes[tensor_name]["op"]
+
+    def tensor_bytes(self, names):
+        return sum(self.graph.nodes[n]["bytes"] for n in names)
+
+
+def is_recomputable(op):
+    """True if rerunning a copy of `op` gives the same values and gradients."""
+    if op.type in CONTROL_FLOW_OP_TYPES or op.op_def.is_stateful:
+        return False
+    if getattr(op, "_control_flow_context", None) is not None:
+        return False  # inside a tf.compat.v1 while/cond body
+    if op.graph._is_function(op.type):  # pylint: disable=protected-access
+        return False  # call of a graph function by its own op type
+    tensors = list(op.inputs) + list(op.outputs)
+    return not any(t.dtype._is_ref_dtype or t.dtype.base_dtype in _OPAQUE_DTYPES  # pylint: disable=protected-access
+                   for t in tensors)
+
+
+def tensor_bytes(t):
+    """Bytes of `t` from its static shape; unknown dims count as 1."""
+    dims = t.shape.as_list() if t.shape.rank is not None else []
+    elements = math.prod(d if d is not None else 1 for d in dims)
+    size = t.dtype.size if t.dtype.base_dtype not in _OPAQUE_DTYPES else 8
+    return int(elements * size)
+
+
+def op_cost(op):
+    """Rough FLOPs of `op`: exact-ish for contractions, output size otherwise."""
+    out_elems = sum(tensor_bytes(o) // max(o.dtype.size, 1) for o in op.outputs
+                    if o.dtype.base_dtype not in _OPAQUE_DTYPES)
+    if op.type in ("MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"):
+        shape = op.inputs[0].shape
+        inner_axis = -2 if op.get_attr("adj_x" if "adj_x" in op.node_def.attr
+                                       else "transpose_a") else -1
+        inner = shape[inner_axis] if shape.rank else None
+        return 2 * out_elems * (inner or 1)
+    if op.type.startswith(("Conv", "DepthwiseConv")) and len(op.inputs) > 1:
+        kernel = op.inputs[1].shape
+        if kernel.rank and kernel.is_fully_defined():
+            return 2 * out_elems * math.prod(kernel.as_list()[:-1])
+    return out_elems
+
+
+def _data_checker():
+    """Memoised 'does this tensor carry per-example data' over a whole graph."""
+    memo = {}
+
+    def is_data(tensor):
+        stack = [tensor]
+        while stack:
+            t = stack[-1]
+            if t.name in memo:
+                stack.pop()
+                continue
+            if t.dtype.base_dtype in (tf.resource, tf.variant):
+                memo[t.name] = False
+            elif t.op.type in DATA_SOURCE_OP_TYPES:
+                memo[t.name] = True
+            else:
+                pending = [i for i in t.op.inputs if i.name not in memo]
+                if pending:
+                    stack.extend(pending)
+                    continue
+                memo[t.name] = any(memo[i.name] for i in t.op.inputs)
+            stack.pop()
+        return memo[tensor.name]
+
+    return is_data
+
+
+def region_ops(ys, xs):
+    """Ops that depend on some x and that some y depends on, in topological order.
+
+    Linear in the size of the graph. Ops are created after their inputs, so op
+    creation order is topological (loop back edges aside, which we never copy).
+    """
+    reached = set()
+    stack = [c for x in xs for c in x.consumers()]
+    while stack:
+        op = stack.pop()
+        if op not in reached:
+            reached.add(op)
+            stack.extend(c for o in op.outputs for c in o.consumers())
+    between = set()
+    stack = [y.op for y in ys]
+    while stack:
+        op = stack.pop()
+        if op in reached and op not in between:
+            between.add(op)
+            stack.extend(i.op for i in op.inputs)
+    return sorted(between, key=lambda op: op._id)  # pylint: disable=protected-access
+
+
+def build_model(ys, xs):
+    """Read the region between `xs` and `ys` (lists of tensors) into a GraphModel."""
+    ops = region_ops(ys, xs)
+    in_region = set(ops)
+    x_names = {x.name for x in xs}
+    is_data = _data_checker()
+
+    activations = set()
+    for op in ops:
+        if any(i.name in activations or (i.op not in in_region and is_data(i))
+               for i in op.inputs):
+            activations.update(o.name for o in op.outputs)
+    if not activations:
+        # No per-example input (e.g. data baked into constants): treat every
+        # region tensor as an activation except the reads of the xs themselves.
+        activations = {o.name for op in ops if not all(
+            i.op not in in_region for i in op.inputs) for o in op.outputs}
+
+    graph = nx.DiGraph()
+    pinned = set()
+    op_outputs = {}
+    other_bytes = 0
+    for op in ops:
+        outs = [o for o in op.outputs if o.name in activations]
+        if not outs:
+            other_bytes += sum(tensor_bytes(o) for o in op.outputs)
+            continue
+        recomputable = is_recomputable(op)
+        cost = op_cost(op)
+        op_outputs[op.name] = tuple(o.name for o in outs)
+        act_inputs = [i.name for i in op.inputs if i.name in activations]
+        for o in outs:
+            graph.add_node(o.name, op=op.name, op_type=op.type, bytes=tensor_bytes(o),
+                           cost=cost, recomputable=recomputable,
+                           float=o.dtype.is_floating)
+            graph.add_edges_from((i, o.name) for i in act_inputs)
+        if not recomputable:
+            pinned.update(o.name for o in outs)
+            pinned.update(act_inputs)
+        pinned.update(o.name for o in outs if o.name in x_names)
+
+    order = tuple(n for op in ops for n in op_outputs.get(op.name, ()))
+    return GraphModel(
+        graph=graph, order=order, pinned=frozenset(pinned),
+        ys=tuple(y.name for y in ys if y.name in activations),
+        op_outputs=op_outputs, other_bytes=other_bytes,
+        region=frozenset(o.name for op in ops for o in op.outputs), num_region_ops=len(ops))

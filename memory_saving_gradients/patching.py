@@ -1,0 +1,58 @@
+"""Monkey-patching: route every tf.gradients call in the process to a mode.
+
+The classic one-liner still works::
+
+    tf.__dict__["gradients"] = memory_saving_gradients.gradients_memory
+
+These helpers do the same for both tf.gradients and tf.compat.v1.gradients,
+and put the originals back.
+"""
+
+import contextlib
+import functools
+
+import tensorflow as tf
+
+from memory_saving_gradients import api
+
+_TARGETS = ((tf, "gradients"), (tf.compat.v1, "gradients"))
+_saved = []  # stack of the functions each patch replaced, for nesting
+
+
+def patch_tf_gradients(checkpoints="memory"):
+    """Makes tf.gradients and tf.compat.v1.gradients checkpoint with `checkpoints`.
+
+    `checkpoints` is any value `gradients` accepts ('memory', 'speed',
+    'collection' or a list of tensors). Undo with `unpatch_tf_gradients()`.
+    """
+    if isinstance(checkpoints, str) and checkpoints not in api.MODES:
+        raise ValueError(f"unknown checkpoints mode {checkpoints!r}: use one of "
+                         f"{', '.join(map(repr, api.MODES))} or a list of tensors")
+    replacement = functools.partial(api.gradients, checkpoints=checkpoints)
+    _saved.append([getattr(module, name) for module, name in _TARGETS])
+    for module, name in _TARGETS:
+        setattr(module, name, replacement)
+
+
+def unpatch_tf_gradients():
+    """Restores the functions the most recent `patch_tf_gradients` replaced."""
+    if not _saved:
+        raise RuntimeError("tf.gradients is not patched by memory_saving_gradients; "
+                           "call patch_tf_gradients() first")
+    for (module, name), original in zip(_TARGETS, _saved.pop()):
+        setattr(module, name, original)
+
+
+@contextlib.contextmanager
+def checkpointing(checkpoints="memory"):
+    """Context manager: tf.gradients checkpoints with `checkpoints` inside the block.
+
+    Example:
+      >>> with memory_saving_gradients.checkpointing("memory"):
+      ...     grads = tf.gradients(loss, params)
+    """
+    patch_tf_gradients(checkpoints)
+    try:
+        yield
+    finally:
+        unpatch_tf_gradients()

@@ -1,0 +1,113 @@
+"""Planning: turn a set of checkpoint tensors into the segments the rewrite copies.
+
+Pure functions on a `GraphModel`; no TensorFlow. The rewrite executes a `Plan`
+exactly, and the simulator prices the same `Plan`, so what is predicted is
+what is built.
+"""
+
+import dataclasses
+
+import toposort
+
+
+@dataclasses.dataclass(frozen=True)
+class Level:
+    """Checkpoints whose gradients are all final at the same point of backprop.
+
+    Attributes:
+      checkpoints: checkpoint tensor names in this level.
+      copy_ops: op names to recompute, in topological order.
+      owners: op name -> checkpoints of this level whose recomputation needs
+        that op; its copy must wait for those checkpoints' gradients.
+    """
+    checkpoints: tuple
+    copy_ops: tuple
+    owners: dict
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What the rewrite will do.
+
+    Attributes:
+      strategy: name of the selection that produced it.
+      checkpoints: every kept activation (chosen plus pinned), topological order.
+      chosen: the checkpoints the strategy chose (without pinned ones).
+      levels: processed from last to first during backprop.
+      notes: human-readable remarks (fallbacks taken, inputs ignored).
+    """
+    strategy: str
+    checkpoints: tuple
+    chosen: tuple
+    levels: tuple
+    notes: tuple = ()
+
+    @property
+    def num_recomputed_ops(self):
+        return sum(len(level.copy_ops) for level in self.levels)
+
+
+def expand_to_ops(model, names):
+    """All activation outputs of the ops producing `names`.
+
+    Gradients stop per op, so keeping one output of a multi-output op and
+    recomputing a sibling would drop the sibling's gradient contribution.
+    """
+    return {o for n in names for o in model.op_outputs[model.op_of(n)]}
+
+
+def make_plan(model, chosen, strategy, notes=()):
+    """Builds the Plan that keeps `chosen` plus the model's pinned tensors.
+
+    Each checkpoint's segment is the ops between it and the nearest checkpoints
+    above it. Checkpoints are grouped into levels with `toposort` so a level is
+    recomputed only after every checkpoint that reads it has sent its gradient.
+    Linear in the model size per level.
+    """
+    rank = {n: i for i, n in enumerate(model.order)}
+    checkpoints = expand_to_ops(model, chosen) | set(model.pinned)
+    deps = {}
+    ops_of = {}
+    for c in checkpoints:
+        ops_of[c] = {}
+        deps[c] = _walk(model, c, checkpoints, ops_of[c])
+    levels = []
+    for group in toposort.toposort(deps):
+        group = sorted(group, key=rank.__getitem__)
+        owners = {}
+        for c in group:
+            for op in ops_of[c]:
+                owners.setdefault(op, []).append(c)
+        op_rank = {op: min(rank[o] for o in model.op_outputs[op]) for op in owners}
+        levels.append(Level(
+            checkpoints=tuple(group),
+            copy_ops=tuple(sorted(owners, key=op_rank.__getitem__)),
+            owners={op: tuple(cs) for op, cs in owners.items()}))
+    return Plan(strategy=strategy,
+                checkpoints=tuple(sorted(checkpoints, key=rank.__getitem__)),
+                chosen=tuple(sorted(expand_to_ops(model, chosen), key=rank.__getitem__)),
+                levels=tuple(levels), notes=tuple(notes))
+
+
+def _walk(model, root, checkpoints, copy_ops):
+    """Collects into `copy_ops` the ops recomputing `root` from the checkpoints
+    above it, and returns those checkpoints."""
+    graph = model.graph
+    needed = set()
+    visited = {root}
+    stack = [root]
+    while stack:
+        t = stack.pop()
+        node = graph.nodes[t]
+        # Non-recomputable tensors are pinned, so only the root can be one:
+        # it is used as is and its (pinned) inputs are met below.
+        if node["recomputable"]:
+            copy_ops[node["op"]] = True
+        for p in graph.predecessors(t):
+            if p in checkpoints:
+                needed.add(p)
+            elif p not in visited:
+                visited.add(p)
+                stack.append(p)
+    needed.discard(root)
+    return needed

@@ -1,0 +1,60 @@
+"""Simulation: predict activation memory and recompute cost of a Plan.
+
+No TensorFlow. The model is Chen et al.'s: checkpoints stay alive for the
+whole of backprop; on top of them, at any time, either the tail (the
+activations after the last checkpoints, which backprop starts from) or one
+level's recomputed segment is alive. It is an estimate for comparing plans,
+not an allocator: tests compare it with measured peaks only loosely.
+"""
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """Predicted cost of a plan, in bytes and FLOPs.
+
+    Attributes:
+      peak_bytes: activation bytes alive at the worst point of backprop.
+      kept_bytes: bytes of all checkpoints.
+      largest_segment_bytes: bytes of the biggest recomputed level or tail.
+      baseline_bytes: activation bytes tf.gradients keeps (all of them).
+      recompute_flops: extra forward work, summed over copied ops.
+      forward_flops: work of one forward pass over the region, for scale.
+    """
+    peak_bytes: int
+    kept_bytes: int
+    largest_segment_bytes: int
+    baseline_bytes: int
+    recompute_flops: int
+    forward_flops: int
+
+    @property
+    def memory_ratio(self):
+        """Predicted peak as a fraction of tf.gradients' activation memory."""
+        return self.peak_bytes / max(self.baseline_bytes, 1)
+
+
+def estimate(model, plan):
+    """Prices `plan` on `model`. O(size of the model)."""
+    nodes = model.graph.nodes
+    checkpoints = set(plan.checkpoints)
+    copied = set()
+    largest = 0
+    recompute = 0
+    for level in plan.levels:
+        outs = [o for op in level.copy_ops for o in model.op_outputs[op]]
+        largest = max(largest, model.tensor_bytes(o for o in outs if o not in checkpoints))
+        recompute += sum(nodes[model.op_outputs[op][0]]["cost"] for op in level.copy_ops)
+        copied.update(level.copy_ops)
+    tail = model.tensor_bytes(n for n in model.order
+                              if n not in checkpoints and nodes[n]["op"] not in copied)
+    kept = model.tensor_bytes(checkpoints)
+    forward = sum(nodes[outs[0]]["cost"] for outs in model.op_outputs.values())
+    return Estimate(
+        peak_bytes=kept + max(largest, tail),
+        kept_bytes=kept,
+        largest_segment_bytes=max(largest, tail),
+        baseline_bytes=model.tensor_bytes(model.order),
+        recompute_flops=recompute,
+        forward_flops=forward)
