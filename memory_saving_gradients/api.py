@@ -64,6 +64,8 @@ class CheckpointPlan:
         return "\n".join(lines)
 
 
+# Library code must not be rewritten by autograph when called in tf.function.
+@tf.autograph.experimental.do_not_convert
 def gradients(ys, xs, grad_ys=None, checkpoints="collection", **kwargs):
     """Drop-in for `tf.gradients` that keeps only checkpoints and recomputes the rest.
 
@@ -100,21 +102,25 @@ def gradients(ys, xs, grad_ys=None, checkpoints="collection", **kwargs):
         return rewrite.backprop(report.plan, ys, xs, grad_ys, stops, tf_kwargs, unconnected)
 
 
+@tf.autograph.experimental.do_not_convert
 def gradients_memory(ys, xs, grad_ys=None, **kwargs):
     """`gradients` keeping ~sqrt(n) bottleneck tensors (checkpoints='memory')."""
     return gradients(ys, xs, grad_ys, checkpoints="memory", **kwargs)
 
 
+@tf.autograph.experimental.do_not_convert
 def gradients_speed(ys, xs, grad_ys=None, **kwargs):
     """`gradients` keeping outputs of expensive ops (checkpoints='speed')."""
     return gradients(ys, xs, grad_ys, checkpoints="speed", **kwargs)
 
 
+@tf.autograph.experimental.do_not_convert
 def gradients_collection(ys, xs, grad_ys=None, **kwargs):
     """`gradients` keeping the tensors in the 'checkpoints' collection."""
     return gradients(ys, xs, grad_ys, checkpoints="collection", **kwargs)
 
 
+@tf.autograph.experimental.do_not_convert
 def checkpoint_plan(ys, xs, checkpoints="memory"):
     """The checkpoints and recompute count `gradients` would use; adds no ops.
 

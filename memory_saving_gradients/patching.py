@@ -28,7 +28,8 @@ def patch_tf_gradients(checkpoints="memory"):
     if isinstance(checkpoints, str) and checkpoints not in api.MODES:
         raise ValueError(f"unknown checkpoints mode {checkpoints!r}: use one of "
                          f"{', '.join(map(repr, api.MODES))} or a list of tensors")
-    replacement = functools.partial(api.gradients, checkpoints=checkpoints)
+    replacement = tf.autograph.experimental.do_not_convert(
+        functools.partial(api.gradients, checkpoints=checkpoints))
     _saved.append([getattr(module, name) for module, name in _TARGETS])
     for module, name in _TARGETS:
         setattr(module, name, replacement)

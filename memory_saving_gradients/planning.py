@@ -56,6 +56,42 @@ def expand_to_ops(model, names):
     return {o for n in names for o in model.op_outputs[model.op_of(n)]}
 
 
+def segment(model, root, checkpoints):
+    """Tensors recomputed to rebuild `root` from the checkpoints above it.
+
+    Returns (recomputed tensor names, checkpoints read). The root's own op is
+    reused as is, not copied, when every activation it reads is kept: its
+    gradient then needs nothing that was dropped. O(size of the segment).
+    """
+    graph = model.graph
+    preds = set(graph.predecessors(root))
+    if not graph.nodes[root]["recomputable"] or preds <= checkpoints:
+        return set(), preds
+    recomputed, needed = {root}, set()
+    stack = [root]
+    while stack:
+        for p in graph.predecessors(stack.pop()):
+            if p in checkpoints:
+                needed.add(p)
+            elif p not in recomputed:
+                recomputed.add(p)
+                stack.append(p)
+    return recomputed, needed
+
+
+def shared_tensors(model, checkpoints):
+    """Dropped tensors that more than one checkpoint's segment would recompute.
+
+    Keeping them bounds recomputation to once per op, which matters on
+    residual streams where segments would otherwise reach back to the start.
+    """
+    owners = {}
+    for c in checkpoints:
+        for t in segment(model, c, checkpoints)[0]:
+            owners.setdefault(t, set()).add(model.op_of(c))
+    return {t for t, ops in owners.items() if len(ops) > 1}
+
+
 def make_plan(model, chosen, strategy, notes=()):
     """Builds the Plan that keeps `chosen` plus the model's pinned tensors.
 
@@ -69,8 +105,8 @@ def make_plan(model, chosen, strategy, notes=()):
     deps = {}
     ops_of = {}
     for c in checkpoints:
-        ops_of[c] = {}
-        deps[c] = _walk(model, c, checkpoints, ops_of[c])
+        recomputed, deps[c] = segment(model, c, checkpoints)
+        ops_of[c] = {model.op_of(t) for t in recomputed}
     levels = []
     for group in toposort.toposort(deps):
         group = sorted(group, key=rank.__getitem__)
@@ -87,27 +123,3 @@ def make_plan(model, chosen, strategy, notes=()):
                 checkpoints=tuple(sorted(checkpoints, key=rank.__getitem__)),
                 chosen=tuple(sorted(expand_to_ops(model, chosen), key=rank.__getitem__)),
                 levels=tuple(levels), notes=tuple(notes))
-
-
-def _walk(model, root, checkpoints, copy_ops):
-    """Collects into `copy_ops` the ops recomputing `root` from the checkpoints
-    above it, and returns those checkpoints."""
-    graph = model.graph
-    needed = set()
-    visited = {root}
-    stack = [root]
-    while stack:
-        t = stack.pop()
-        node = graph.nodes[t]
-        # Non-recomputable tensors are pinned, so only the root can be one:
-        # it is used as is and its (pinned) inputs are met below.
-        if node["recomputable"]:
-            copy_ops[node["op"]] = True
-        for p in graph.predecessors(t):
-            if p in checkpoints:
-                needed.add(p)
-            elif p not in visited:
-                visited.add(p)
-                stack.append(p)
-    needed.discard(root)
-    return needed

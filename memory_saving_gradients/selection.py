@@ -43,12 +43,23 @@ def explicit(model, names):
 
 
 def speed(model):
-    """Keeps the outputs of matmuls, convolutions and einsums. O(n)."""
+    """Keeps outputs of matmuls, convolutions and einsums; recomputes the rest once.
+
+    Tensors that several segments would recompute (a residual stream between
+    two matmuls) are kept too, so no op is recomputed more than once and
+    segments stay short. O(n) per pass, at most a few passes.
+    """
     nodes = model.graph.nodes
-    return Selection(frozenset(
-        n for n in model.order
-        if nodes[n]["op_type"] in EXPENSIVE_OP_TYPES and nodes[n]["float"]
-        and n not in model.ys))
+    chosen = {n for n in model.order
+              if nodes[n]["op_type"] in EXPENSIVE_OP_TYPES and nodes[n]["float"]
+              and n not in model.ys}
+    for _ in range(4):
+        shared = planning.shared_tensors(
+            model, planning.expand_to_ops(model, chosen) | model.pinned) - set(model.ys)
+        if not shared:
+            break
+        chosen |= shared
+    return Selection(frozenset(chosen))
 
 
 def memory(model):
