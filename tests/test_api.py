@@ -1,0 +1,196 @@
+"""The public API: argument handling, errors, plan inspection, monkey-patching."""
+
+import logging
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import memory_saving_gradients as msg
+
+
+@pytest.fixture
+def chain():
+    """A 6-layer tanh chain in a fresh default graph: (x, hidden layers, y)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [8])
+        hs = [x]
+        for _ in range(6):
+            hs.append(tf.tanh(hs[-1]))
+        y = tf.reduce_sum(hs[-1])
+        yield x, hs[1:], y
+
+
+def _run(fetches, feed):
+    with tf.compat.v1.Session() as sess:
+        return sess.run(fetches, feed)
+
+
+def test_eager_call_says_to_use_tf_function():
+    with pytest.raises(RuntimeError, match="tf.function"):
+        msg.gradients(tf.constant(1.0), [tf.constant(2.0)])
+
+
+def test_unknown_mode_is_named(chain):
+    x, _, y = chain
+    with pytest.raises(ValueError, match="unknown checkpoints mode 'fastest'"):
+        msg.gradients(y, x, checkpoints="fastest")
+
+
+@pytest.mark.parametrize("bad", [[np.ones(3)], [3.0], ["h"], 42])
+def test_checkpoint_that_is_not_a_tensor_is_a_type_error(chain, bad):
+    x, _, y = chain
+    with pytest.raises(TypeError, match="checkpoints"):
+        msg.gradients(y, x, checkpoints=bad)
+
+
+def test_checkpoint_from_another_graph(chain):
+    x, _, y = chain
+    with tf.Graph().as_default():
+        other = tf.compat.v1.placeholder(tf.float32, [8])
+    with pytest.raises(ValueError, match="different graph"):
+        msg.gradients(y, x, checkpoints=[other])
+
+
+def test_xs_from_another_graph(chain):
+    _, _, y = chain
+    with tf.Graph().as_default():
+        other = tf.compat.v1.placeholder(tf.float32, [8])
+    with pytest.raises(ValueError, match="different graph"):
+        msg.gradients(y, other)
+
+
+def test_checkpoint_not_between_xs_and_ys(chain):
+    x, hs, y = chain
+    unrelated = tf.compat.v1.placeholder(tf.float32, [8]) * 2.0
+    with pytest.raises(ValueError, match="not between xs and ys"):
+        msg.gradients(y, x, checkpoints=[unrelated])
+    with pytest.raises(ValueError, match="not between xs and ys"):
+        msg.gradients(hs[2], x, checkpoints=[hs[4]])  # downstream of the y
+
+
+def test_unexpected_keyword_is_a_type_error(chain):
+    x, _, y = chain
+    with pytest.raises(TypeError, match="checkpionts"):
+        msg.gradients(y, x, checkpionts="memory")
+
+
+def test_grad_ys_length_must_match(chain):
+    x, hs, y = chain
+    with pytest.raises(ValueError, match="grad_ys has 2 entries"):
+        msg.gradients(y, x, grad_ys=[tf.ones([]), tf.ones([])])
+
+
+def test_checkpoint_inside_while_loop_body_is_rejected():
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.compat.v1.disable_control_flow_v2()
+        try:
+            x = tf.compat.v1.placeholder(tf.float32, [4])
+            inner = []
+
+            def body(i, h):
+                h = tf.tanh(h)
+                inner.append(h)
+                return i + 1, h
+
+            _, out = tf.while_loop(lambda i, h: i < 3, body, [0, x])
+            y = tf.reduce_sum(tf.tanh(out))
+            with pytest.raises(ValueError, match="while_loop"):
+                msg.gradients(y, x, checkpoints=[inner[0]])
+        finally:
+            tf.compat.v1.enable_control_flow_v2()
+
+
+def test_single_x_and_list_return_like_tf_gradients(chain):
+    x, hs, y = chain
+    grads = msg.gradients(y, x, checkpoints=[hs[2]])
+    assert isinstance(grads, list) and len(grads) == 1
+    feed = {x: np.linspace(-1, 1, 8).astype(np.float32)}
+    stock, ours = _run([tf.gradients(y, x), grads], feed)
+    np.testing.assert_allclose(ours[0], stock[0], rtol=1e-6)
+
+
+def test_plan_inspection_adds_no_ops_and_reports_recompute(chain):
+    x, hs, y = chain
+    graph = y.graph
+    before = len(graph.get_operations())
+    plan = msg.checkpoint_plan(y, x, "memory")
+    assert len(graph.get_operations()) == before
+    assert plan.mode == "memory"
+    assert 1 <= len(plan.checkpoints) < 6
+    assert all(t in hs for t in plan.checkpoints)
+    assert plan.num_recomputed_ops > 0
+    assert plan.estimate.peak_bytes < plan.estimate.baseline_bytes
+    assert "recompute" in str(plan)
+
+
+def test_chosen_checkpoints_are_logged(chain, caplog):
+    x, hs, y = chain
+    with caplog.at_level(logging.INFO, logger="memory_saving_gradients"):
+        msg.gradients(y, x, checkpoints=[hs[2]])
+    assert hs[2].name in caplog.text
+
+
+def test_classic_dict_patch_routes_tf_gradients(chain):
+    x, hs, y = chain
+    original = tf.gradients
+    tf.__dict__["gradients"] = msg.gradients_memory
+    try:
+        ops_before = len(y.graph.get_operations())
+        grads = tf.gradients(y, x)
+        recomputed = [op for op in y.graph.get_operations()[ops_before:]
+                      if "recompute_" in op.name]
+        assert recomputed, "tf.gradients did not go through memory_saving_gradients"
+    finally:
+        tf.__dict__["gradients"] = original
+    feed = {x: np.linspace(-1, 1, 8).astype(np.float32)}
+    np.testing.assert_allclose(*_run([grads, original(y, x)], feed), rtol=1e-6)
+
+
+def test_patch_helpers_route_and_restore(chain):
+    x, _, y = chain
+    original, original_v1 = tf.gradients, tf.compat.v1.gradients
+    with msg.checkpointing("memory"):
+        assert tf.gradients is not original
+        assert tf.compat.v1.gradients is not original_v1
+        ops_before = len(y.graph.get_operations())
+        tf.compat.v1.gradients(y, x)
+        assert any("recompute_" in op.name
+                   for op in y.graph.get_operations()[ops_before:])
+    assert tf.gradients is original and tf.compat.v1.gradients is original_v1
+    msg.patch_tf_gradients("speed")
+    msg.unpatch_tf_gradients()
+    assert tf.gradients is original
+    with pytest.raises(RuntimeError, match="not patched"):
+        msg.unpatch_tf_gradients()
+    with pytest.raises(ValueError, match="unknown checkpoints mode"):
+        msg.patch_tf_gradients("fastest")
+    assert tf.gradients is original
+
+
+def test_patch_restores_even_when_the_block_raises():
+    original = tf.gradients
+    with pytest.raises(KeyError):
+        with msg.checkpointing("memory"):
+            raise KeyError("boom")
+    assert tf.gradients is original
+
+
+def test_patched_tf_gradients_inside_tf_function():
+    w = tf.Variable(tf.ones([4, 4]) * 0.1)
+
+    @tf.function
+    def step(inputs):
+        h = inputs
+        for _ in range(8):
+            h = tf.tanh(tf.matmul(h, w))
+        return tf.gradients(tf.reduce_sum(h), [w])[0]
+
+    inputs = tf.ones([2, 4])
+    expected = step(inputs)
+    with msg.checkpointing("memory"):
+        step_ckpt = tf.function(step.python_function)
+        got = step_ckpt(inputs)
+    np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-5)
