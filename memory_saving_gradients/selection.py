@@ -46,19 +46,22 @@ def speed(model):
     """Keeps outputs of matmuls, convolutions and einsums; recomputes the rest once.
 
     Tensors that several segments would recompute (a residual stream between
-    two matmuls) are kept too, so no op is recomputed more than once and
-    segments stay short. O(n) per pass, at most a few passes.
+    two matmuls) are kept too, bottlenecks among them first, so no op is
+    recomputed more than once and segments stay short. A copied contraction
+    whose output nothing reads is never run: its gradient needs only its
+    inputs. O(n) per pass, at most a few passes.
     """
     nodes = model.graph.nodes
     chosen = {n for n in model.order
               if nodes[n]["op_type"] in EXPENSIVE_OP_TYPES and nodes[n]["float"]
               and n not in model.ys}
+    streams = set(bottlenecks(model))
     for _ in range(4):
         shared = planning.shared_tensors(
             model, planning.expand_to_ops(model, chosen) | model.pinned) - set(model.ys)
         if not shared:
             break
-        chosen |= shared
+        chosen |= (shared & streams) or shared
     return Selection(frozenset(chosen))
 
 
