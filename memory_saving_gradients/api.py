@@ -208,7 +208,7 @@ def _normalise(ys, xs, grad_ys):
 
 
 def _as_tensors(values, what, allow_variables=False, allow_none=False):
-    """A list of graph tensors; resource variables become their handles."""
+    """A list of graph tensors; resource variables (tf or Keras) become handles as xs."""
     if isinstance(values, (tf.Tensor, tf.Variable, tf.IndexedSlices)) or values is None:
         values = [values]
     elif not isinstance(values, collections.abc.Iterable) or isinstance(values, (str, bytes)):
@@ -216,6 +216,8 @@ def _as_tensors(values, what, allow_variables=False, allow_none=False):
                         f"{type(values).__name__}: {values!r}")
     out = []
     for i, v in enumerate(values):
+        if isinstance(getattr(v, "value", None), tf.Variable):
+            v = v.value  # a Keras 3 variable wraps a tf.Variable
         if v is None and allow_none:
             out.append(None)
         elif isinstance(v, tf.Variable) and allow_variables:

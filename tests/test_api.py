@@ -194,3 +194,24 @@ def test_patched_tf_gradients_inside_tf_function():
         step_ckpt = tf.function(step.python_function)
         got = step_ckpt(inputs)
     np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-5)
+
+
+def test_keras_variables_are_accepted_as_xs():
+    import keras
+    layers = [keras.layers.Dense(16, activation="tanh") for _ in range(6)]
+    inputs = tf.random.stateless_normal([4, 16], seed=[1, 2])
+    for layer in layers:
+        layer.build((None, 16))
+    weights = [w for layer in layers for w in layer.trainable_weights]
+
+    def step(grad_fn):
+        h = inputs
+        for layer in layers:
+            h = layer(h)
+        return grad_fn(tf.reduce_sum(h * h), weights)
+
+    stock = tf.function(lambda: step(lambda y, xs: tf.gradients(y, [w.value for w in xs])))()
+    ours = tf.function(lambda: step(msg.gradients_memory))()
+    assert len(ours) == len(weights) and all(g is not None for g in ours)
+    for a, b in zip(stock, ours):
+        np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-5, atol=1e-7)
