@@ -47,6 +47,7 @@ class CheckpointPlan:
     estimate: simulation.Estimate
     notes: tuple
     plan: planning.Plan = dataclasses.field(repr=False)
+    model: graph_model.GraphModel = dataclasses.field(repr=False)
 
     def __str__(self):
         est = self.estimate
@@ -99,7 +100,8 @@ def gradients(ys, xs, grad_ys=None, checkpoints="collection", **kwargs):
     report = _plan(ys, xs, checkpoints)
     logger.info("memory_saving_gradients: %s", str(report).replace("\n", "; "))
     with ys[0].graph.name_scope(name):
-        return rewrite.backprop(report.plan, ys, xs, grad_ys, stops, tf_kwargs, unconnected)
+        return rewrite.backprop(report.model, report.plan, ys, xs, grad_ys, stops, tf_kwargs,
+                                unconnected)
 
 
 @tf.autograph.experimental.do_not_convert
@@ -146,7 +148,8 @@ def _plan(ys, xs, checkpoints):
         num_forward_ops=model.num_region_ops,
         estimate=simulation.estimate(model, plan),
         notes=plan.notes,
-        plan=plan)
+        plan=plan,
+        model=model)
 
 
 def _select(model, ys, xs, checkpoints):

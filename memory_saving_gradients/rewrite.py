@@ -4,9 +4,15 @@ The only module that adds ops. It never changes an existing op: it adds
 copies of each level's segment, makes them wait for the gradient that
 reaches the level (so recomputation runs late, not during the forward pass),
 calls the stock tf.gradients on the copies, and sums the partial gradients.
+
+Copies read per-level identity stubs of the checkpoints and weights they use,
+so each level's tf.gradients call walks only its own segment instead of the
+whole graph; the weights' partial gradients reach the xs in one final call.
+That keeps the rewrite near-linear in graph size.
 """
 
 import tensorflow as tf
+from tensorflow.python.framework import ops as tf_ops
 from tensorflow.python.ops import default_gradient
 from tensorflow.python.ops import gradients_impl
 
@@ -14,56 +20,93 @@ from tensorflow.python.ops import gradients_impl
 _stock_gradients = gradients_impl.gradients
 
 
-def backprop(plan, ys, xs, grad_ys, stop_gradients, tf_kwargs, unconnected):
+def backprop(model, plan, ys, xs, grad_ys, stop_gradients, tf_kwargs, unconnected):
     """Gradients of `ys` with respect to `xs` under `plan`. Returns a list."""
     graph = ys[0].graph
     checkpoints = [graph.get_tensor_by_name(n) for n in plan.checkpoints]
-    checkpoint_names = set(plan.checkpoints)
-    stops = list(stop_gradients)
-    x_parts = [[] for _ in xs]
-    ckpt_parts = {c: [] for c in plan.checkpoints}
+    leaves = _Leaves(model, plan, xs)
+    parts = {}  # tensor name -> partial gradients received so far
 
-    def collect(grads, boundary):
-        for t, g in zip(boundary, grads[:len(boundary)]):
+    def gradients_to(sources, targets, seeds, stops, names=None):
+        grads = _stock_gradients(targets, sources, seeds,
+                                 stop_gradients=stops + stop_gradients, **tf_kwargs)
+        for name, g in zip(names or [t.name for t in sources], grads):
             if g is not None:
-                ckpt_parts[t.name].append(g)
-        for parts, g in zip(x_parts, grads[len(boundary):]):
-            if g is not None:
-                parts.append(g)
+                parts.setdefault(name, []).append(g)
 
     # Backprop from the ys through the original ops, down to the checkpoints.
-    collect(_stock_gradients(ys, checkpoints + xs, grad_ys,
-                             stop_gradients=checkpoints + stops, **tf_kwargs),
-            checkpoints)
+    gradients_to(checkpoints + xs, ys, grad_ys, checkpoints)
 
     seeds = {}
     for number, level in reversed(list(enumerate(plan.levels))):
         for c in level.checkpoints:
-            if ckpt_parts[c]:
-                seeds[c] = tf.convert_to_tensor(_sum(ckpt_parts[c]))
-        roots = [c for c in level.checkpoints if c in seeds]
-        if not roots:
-            continue
+            if c in parts:
+                seeds[c] = tf.convert_to_tensor(_sum(parts.pop(c)))
         with graph.name_scope(f"recompute_{number}"):
-            copies = _copy_segment(graph, level, seeds)
-        boundary = [copies[c] if c in copies else graph.get_tensor_by_name(c) for c in roots]
-        read = _checkpoints_read(graph, level, roots, copies, checkpoint_names)
-        collect(_stock_gradients(
-            boundary, read + xs, [seeds[c] for c in roots],
-            stop_gradients=read + [copies.get(s.name, s) for s in stops], **tf_kwargs),
-            read)
+            stubs = {}
+            copies = _copy_segment(graph, level, seeds, lambda t: leaves.stub(t, stubs))
+            roots = [c for c in level.checkpoints if c in copies and c in seeds]
+            if roots:
+                mapped = [copies.get(s.name, s) for s in stop_gradients]
+                gradients_to(list(stubs.values()), [copies[c] for c in roots],
+                             [seeds[c] for c in roots], mapped, names=list(stubs))
+            kept = [graph.get_tensor_by_name(c) for c in level.checkpoints
+                    if c in seeds and c not in copies and _differentiable(c, graph)]
+            if kept:
+                # Roots kept as they are (stateful, control flow, or fed only by
+                # checkpoints): differentiate the original ops.
+                read = {i.name: i for t in kept for i in t.op.inputs if leaves.wanted(i.name)}
+                gradients_to(list(read.values()), kept, [seeds[t.name] for t in kept],
+                             list(read.values()))
+
+    # Weights (region tensors that depend only on xs) to the xs, in one pass.
+    weights = [n for n in parts if leaves.is_weight(n)]
+    if weights:
+        gradients_to(xs, [graph.get_tensor_by_name(n) for n in weights],
+                     [tf.convert_to_tensor(_sum(parts.pop(n))) for n in weights], [])
 
     results = []
-    for x, parts in zip(xs, x_parts):
+    for x in xs:
         # An x inside the region is a checkpoint; its seed is its full gradient.
-        grad = seeds.get(x.name) if x.name in checkpoint_names else _sum(parts)
+        grad = seeds.get(x.name) if x.name in plan.checkpoints else _sum(parts.get(x.name, []))
         if grad is None and unconnected == tf.UnconnectedGradients.ZERO:
             grad = default_gradient.zeros_like(x)
         results.append(grad)
     return results
 
 
-def _copy_segment(graph, level, seeds):
+class _Leaves:
+    """The tensors recomputation reads and must send gradients to.
+
+    Those are checkpoints, weights (region tensors that are not activations)
+    and xs. Copies read identity stubs of them, made per level: a stub's only
+    consumers are that level's copies, so tf.gradients started from stubs
+    walks one segment, not the whole graph.
+    """
+
+    def __init__(self, model, plan, xs):
+        self._model = model
+        self._checkpoints = frozenset(plan.checkpoints)
+        self._x_names = frozenset(x.name for x in xs)
+
+    def is_weight(self, name):
+        return name in self._model.region and name not in self._model.graph
+
+    def wanted(self, name):
+        return name in self._checkpoints or name in self._x_names or self.is_weight(name)
+
+    def stub(self, tensor, stubs):
+        """The level's stub for `tensor` (made on first use), or `tensor` itself."""
+        if not self.wanted(tensor.name):
+            return tensor
+        if tensor.name not in stubs:
+            stub = tf.identity(tensor)
+            stub.op._set_device(tensor.op.device)  # pylint: disable=protected-access
+            stubs[tensor.name] = stub
+        return stubs[tensor.name]
+
+
+def _copy_segment(graph, level, seeds, stub):
     """Copies the level's ops; returns original tensor name -> copied tensor.
 
     Ops that read no other copy get control inputs on the gradients of the
@@ -75,7 +118,7 @@ def _copy_segment(graph, level, seeds):
         if not owners:
             continue  # serves only checkpoints that receive no gradient
         op = graph.get_operation_by_name(op_name)
-        inputs = [copies.get(i.name, i) for i in op.inputs]
+        inputs = [copies[i.name] if i.name in copies else stub(i) for i in op.inputs]
         waits = [] if any(i.name in copies for i in op.inputs) else [g.op for g in owners]
         with graph.control_dependencies(waits):
             new = graph._create_op_internal(  # pylint: disable=protected-access
@@ -89,16 +132,12 @@ def _copy_segment(graph, level, seeds):
     return copies
 
 
-def _checkpoints_read(graph, level, roots, copies, checkpoint_names):
-    """Checkpoints the level's recomputation reads: where its backprop stops."""
-    readers = [graph.get_operation_by_name(op) for op in level.copy_ops]
-    readers += [graph.get_tensor_by_name(c).op for c in roots if c not in copies]
-    read = {}
-    for op in readers:
-        for i in op.inputs:
-            if i.name in checkpoint_names and i.name not in copies:
-                read[i.name] = i
-    return list(read.values())
+def _differentiable(name, graph):
+    """False for ops registered as not differentiable (random ops, shapes)."""
+    try:
+        return tf_ops.get_gradient_function(graph.get_tensor_by_name(name).op) is not None
+    except LookupError:
+        return True  # let tf.gradients raise its own error if it is ever needed
 
 
 def _sum(parts):

@@ -139,12 +139,17 @@ def _positions(model):
     return positions
 
 
-def _counts_to_try(limit):
-    """Checkpoint counts worth simulating: all when few, else a geometric sweep."""
+def _counts_to_try(limit, n):
+    """Checkpoint counts worth simulating: all when few, else a geometric sweep
+    from sqrt(n)/4 to 4*sqrt(n), where the optimum of k + n/k lies."""
     if limit <= 24:
         return range(1, limit + 1)
-    return sorted({max(1, min(limit, round(1.25 ** i))) for i in range(64)
-                   if 1.25 ** i <= 2 * limit})
+    low, high = max(1.0, math.sqrt(n) / 4), min(limit, 4 * math.sqrt(n))
+    counts, k = set(), low
+    while k <= high:
+        counts.add(round(k))
+        k *= 1.25
+    return sorted(counts) or [min(limit, max(1, math.isqrt(n)))]
 
 
 def _spaced_choices(model, candidates):
@@ -156,7 +161,7 @@ def _spaced_choices(model, candidates):
     cand_pos = [positions[rank[c]] for c in candidates]
     total = positions[-1]
     choices = []
-    for k in _counts_to_try(len(candidates)):
+    for k in _counts_to_try(len(candidates), len(model.order)):
         chosen = set()
         for j in range(1, k + 1):
             i = bisect.bisect_left(cand_pos, j * total / (k + 1))
@@ -189,7 +194,7 @@ def _separator_choices(model):
     positions = _positions(model)
     total = positions[-1]
     choices = []
-    for k in _counts_to_try(max(1, math.isqrt(end) * 2)):
+    for k in _counts_to_try(max(1, math.isqrt(end) * 2), end):
         cuts = set()
         for j in range(1, k + 1):
             lo = bisect.bisect_left(positions, (j - 0.5) * total / (k + 1))
