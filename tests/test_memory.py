@@ -106,3 +106,29 @@ def test_tf_function_residual_mlp_halves_activation_memory():
     stock_act = stock_peak - weight_grad_bytes
     ours_act = ours_peak - weight_grad_bytes
     assert ours_act * 2 <= stock_act, (stock_peak, ours_peak)
+
+
+def test_memory_mode_without_bottleneck_warns_and_still_saves(caplog):
+    """Parallel towers joined only at the loss have no single-tensor bottleneck
+    (the graph shape that made the TF1 tool raise)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [UNIT])
+        towers = []
+        for scale in (1.0, 0.5):
+            h = x * scale
+            for _ in range(40):
+                h = tf.tanh(h)
+            towers.append(h)
+        y = tf.reduce_sum(towers[0] * towers[1])
+        stock = tf.gradients(y, x)
+        with caplog.at_level("WARNING", logger="memory_saving_gradients"):
+            ours = msg.gradients(y, x, checkpoints="memory")
+        assert "no usable single-tensor bottleneck" in caplog.text
+        feed = {x: np.random.RandomState(0).randn(UNIT).astype(np.float32)}
+        with _session(optimized=True) as sess:
+            stock_peak, stock_val = msg.session_peak_bytes(sess, stock, feed)
+            ours_peak, ours_val = msg.session_peak_bytes(sess, ours, feed)
+    np.testing.assert_allclose(ours_val[0], stock_val[0], rtol=1e-5, atol=1e-6)
+    assert stock_peak >= 80 * MB
+    assert ours_peak <= stock_peak / 2, (stock_peak, ours_peak)
