@@ -55,8 +55,12 @@ class GraphModel:
       op_outputs: op name -> its activation output names (the unit a
         checkpoint is expanded to, so no output of a copied op is forgotten).
       other_bytes: bytes of region tensors that are not activations (weights).
-      region: names of all tensors produced between xs and ys.
+      region: names of the tensors produced between xs and ys (not those
+        inside a tf.compat.v1 while loop, see `unit_inputs`).
       num_region_ops: how many ops lie between xs and ys.
+      op_inputs: op name -> names of the tensors its gradient reaches: its
+        inputs, or for the Exit ops of a tf.compat.v1 while loop, the tensors
+        entering the loop. Only the rewrite reads it.
     """
     graph: nx.DiGraph
     order: tuple
@@ -66,6 +70,7 @@ class GraphModel:
     other_bytes: int
     region: frozenset
     num_region_ops: int
+    op_inputs: dict = dataclasses.field(default_factory=dict)
 
     def op_of(self, tensor_name):
         return self.graph.nodes[tensor_name]["op"]
@@ -112,31 +117,23 @@ def op_cost(op):
     return out_elems
 
 
-def _data_checker():
-    """Memoised 'does this tensor carry per-example data' over a whole graph."""
-    memo = {}
+def data_tensors(graph):
+    """Names of the tensors of `graph` that carry per-example data.
 
-    def is_data(tensor):
-        stack = [tensor]
-        while stack:
-            t = stack[-1]
-            if t.name in memo:
-                stack.pop()
-                continue
-            if t.dtype.base_dtype in (tf.resource, tf.variant):
-                memo[t.name] = False
-            elif t.op.type in DATA_SOURCE_OP_TYPES:
-                memo[t.name] = True
-            else:
-                pending = [i for i in t.op.inputs if i.name not in memo]
-                if pending:
-                    stack.extend(pending)
-                    continue
-                memo[t.name] = any(memo[i.name] for i in t.op.inputs)
-            stack.pop()
-        return memo[tensor.name]
-
-    return is_data
+    Those are the tensors a data input reaches through ops, not counting
+    resource or variant tensors (variable handles, loop state). Found by one
+    forward search from the data inputs, linear in the graph size; searching
+    forward (not memoising a backward walk) stays correct on tf.compat.v1
+    while loops, whose NextIteration -> Merge back edges make the graph cyclic.
+    """
+    data = set()
+    stack = [op for op in graph.get_operations() if op.type in DATA_SOURCE_OP_TYPES]
+    while stack:
+        for t in stack.pop().outputs:
+            if t.name not in data and t.dtype.base_dtype not in (tf.resource, tf.variant):
+                data.add(t.name)
+                stack.extend(t.consumers())
+    return data
 
 
 def region_ops(ys, xs):
@@ -162,29 +159,67 @@ def region_ops(ys, xs):
     return sorted(between, key=lambda op: op._id)  # pylint: disable=protected-access
 
 
+def _outermost_while_loop(op):
+    """The outermost tf.compat.v1 while loop (WhileContext) `op` is in, or None."""
+    loop = None
+    context = getattr(op, "_control_flow_context", None)
+    while context is not None:
+        if context.IsWhileContext():
+            loop = context
+        context = context.outer_context
+    return loop
+
+
+def unit_inputs(ops):
+    """Op -> the tensors it reads, with each tf.compat.v1 while loop as one unit.
+
+    Tensors inside a v1 while loop exist once per iteration: tf.gradients can
+    neither seed nor stop at them from outside the loop. So the ops inside a
+    loop are left out, and each of the loop's Exit ops reads every tensor that
+    enters the loop. Other ops (v2 While is one op already) read their inputs.
+    """
+    inputs = {}
+    entering = {}  # loop -> tensors that enter it, in order
+    for op in ops:
+        loop = _outermost_while_loop(op)
+        if loop is None:
+            inputs[op] = list(op.inputs)
+            continue
+        outside = entering.setdefault(loop, {})
+        outside.update((i.name, i) for i in op.inputs
+                       if _outermost_while_loop(i.op) is not loop)
+    for op in ops:
+        # Exit ops belong to their loop's context, and are its only outputs.
+        if op.type in ("Exit", "RefExit"):
+            inputs[op] = list(entering[_outermost_while_loop(op)].values())
+    return inputs
+
+
 def build_model(ys, xs):
     """Read the region between `xs` and `ys` (lists of tensors) into a GraphModel."""
     ops = region_ops(ys, xs)
     in_region = set(ops)
     x_names = {x.name for x in xs}
-    is_data = _data_checker()
+    data = data_tensors(ys[0].graph)
+    inputs = unit_inputs(ops)
+    units = [op for op in ops if op in inputs]
 
     activations = set()
-    for op in ops:
-        if any(i.name in activations or (i.op not in in_region and is_data(i))
-               for i in op.inputs):
+    for op in units:
+        if any(i.name in activations or (i.op not in in_region and i.name in data)
+               for i in inputs[op]):
             activations.update(o.name for o in op.outputs)
     if not activations:
         # No per-example input (e.g. data baked into constants): treat every
         # region tensor as an activation except the reads of the xs themselves.
-        activations = {o.name for op in ops if not all(
-            i.op not in in_region for i in op.inputs) for o in op.outputs}
+        activations = {o.name for op in units if not all(
+            i.op not in in_region for i in inputs[op]) for o in op.outputs}
 
     graph = nx.DiGraph()
     pinned = set()
     op_outputs = {}
     other_bytes = 0
-    for op in ops:
+    for op in units:
         outs = [o for o in op.outputs if o.name in activations]
         if not outs:
             other_bytes += sum(tensor_bytes(o) for o in op.outputs)
@@ -192,7 +227,7 @@ def build_model(ys, xs):
         recomputable = is_recomputable(op)
         cost = op_cost(op)
         op_outputs[op.name] = tuple(o.name for o in outs)
-        act_inputs = [i.name for i in op.inputs if i.name in activations]
+        act_inputs = [i.name for i in inputs[op] if i.name in activations]
         for o in outs:
             graph.add_node(o.name, op=op.name, op_type=op.type, bytes=tensor_bytes(o),
                            cost=cost, recomputable=recomputable,
@@ -203,9 +238,11 @@ def build_model(ys, xs):
             pinned.update(act_inputs)
         pinned.update(o.name for o in outs if o.name in x_names)
 
-    order = tuple(n for op in ops for n in op_outputs.get(op.name, ()))
+    order = tuple(n for op in units for n in op_outputs.get(op.name, ()))
     return GraphModel(
         graph=graph, order=order, pinned=frozenset(pinned),
         ys=tuple(y.name for y in ys if y.name in activations),
         op_outputs=op_outputs, other_bytes=other_bytes,
-        region=frozenset(o.name for op in ops for o in op.outputs), num_region_ops=len(ops))
+        region=frozenset(o.name for op in units for o in op.outputs),
+        num_region_ops=len(ops),
+        op_inputs={op.name: tuple(i.name for i in inputs[op]) for op in units})

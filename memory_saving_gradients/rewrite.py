@@ -24,24 +24,54 @@ def backprop(model, plan, ys, xs, grad_ys, stop_gradients, tf_kwargs, unconnecte
     """Gradients of `ys` with respect to `xs` under `plan`. Returns a list."""
     graph = ys[0].graph
     checkpoints = [graph.get_tensor_by_name(n) for n in plan.checkpoints]
+    # Each source once: tf.gradients answers every entry of a repeated source
+    # (an x given twice, or an x that is also a checkpoint), and every answer
+    # would be collected as one more partial gradient.
+    sources = list({t.name: t for t in checkpoints + list(xs)}.values())
+    unique_xs = list({x.name: x for x in xs}.values())
     leaves = _Leaves(model, plan, xs)
-    parts = {}  # tensor name -> partial gradients received so far
+    # tf.gradients differentiates function calls even at stop_gradients (see
+    # _is_function_call): a part it has sent through such an op already is
+    # kept apart, to count in the full gradient but never be sent again.
+    parts = {}  # tensor name -> partial gradients still to send through its op
+    passed = {}  # tensor name -> partial gradients already sent through its op
 
     def gradients_to(sources, targets, seeds, stops, names=None):
-        grads = _stock_gradients(targets, sources, seeds,
-                                 stop_gradients=stops + stop_gradients, **tf_kwargs)
+        stops = stops + stop_gradients
+        calls = {t.op for t in stops if _is_function_call(t.op)}
+        first_new_op = len(graph.get_operations()) if calls else None
+        # tf.compat.v1 TensorArray gradients meet in an accumulator named after
+        # the gradient scope up to its last part starting with 'gradients'. A
+        # scope name without that prefix keeps all our calls on the caller's
+        # scope (as for one tf.gradients call), so a TensorArray read in one
+        # call and written in another gets the whole gradient.
+        grads = _stock_gradients(targets, sources, seeds, name="backprop",
+                                 stop_gradients=stops, **tf_kwargs)
+        through = set()
+        if calls:
+            # Function calls among the stops that tf.gradients differentiated
+            # all the same (their gradient ops record them as their forward op).
+            new_ops = graph.get_operations()[first_new_op:]
+            through = calls & {op._original_op for op in new_ops}  # pylint: disable=protected-access
         for name, g in zip(names or [t.name for t in sources], grads):
             if g is not None:
-                parts.setdefault(name, []).append(g)
+                done = bool(through) and graph.get_tensor_by_name(name).op in through
+                (passed if done else parts).setdefault(name, []).append(g)
 
     # Backprop from the ys through the original ops, down to the checkpoints.
-    gradients_to(checkpoints + xs, ys, grad_ys, checkpoints)
+    gradients_to(sources, ys, grad_ys, checkpoints)
 
-    seeds = {}
+    # Sums stay IndexedSlices when every part is (tf.gradients takes them as
+    # grad_ys), so sparse gradients reach the xs sparse, as with tf.gradients.
+    seeds = {}  # checkpoint -> its full gradient
+    unsent = {}  # checkpoint -> the part of it still to send through its op
     for number, level in reversed(list(enumerate(plan.levels))):
         for c in level.checkpoints:
-            if c in parts:
-                seeds[c] = tf.convert_to_tensor(_sum(parts.pop(c)))
+            late, early = parts.pop(c, []), passed.pop(c, [])
+            if late or early:
+                seeds[c] = _sum(late + early)
+            if late:
+                unsent[c] = _sum(late) if early else seeds[c]
         with graph.name_scope(f"recompute_{number}"):
             stubs = {}
             copies = _copy_segment(graph, level, seeds, lambda t: leaves.stub(t, stubs))
@@ -51,24 +81,24 @@ def backprop(model, plan, ys, xs, grad_ys, stop_gradients, tf_kwargs, unconnecte
                 gradients_to(list(stubs.values()), [copies[c] for c in roots],
                              [seeds[c] for c in roots], mapped, names=list(stubs))
             kept = [graph.get_tensor_by_name(c) for c in level.checkpoints
-                    if c in seeds and c not in copies and _differentiable(c, graph)]
+                    if c in unsent and c not in copies and _differentiable(c, graph)]
             if kept:
                 # Roots kept as they are (stateful, control flow, or fed only by
                 # checkpoints): differentiate the original ops.
-                read = {i.name: i for t in kept for i in t.op.inputs if leaves.wanted(i.name)}
-                gradients_to(list(read.values()), kept, [seeds[t.name] for t in kept],
-                             list(read.values()))
+                read = _kept_inputs(model, leaves, graph, kept)
+                gradients_to(read, kept, [unsent[t.name] for t in kept], read)
 
     # Weights (region tensors that depend only on xs) to the xs, in one pass.
     weights = [n for n in parts if leaves.is_weight(n)]
     if weights:
-        gradients_to(xs, [graph.get_tensor_by_name(n) for n in weights],
-                     [tf.convert_to_tensor(_sum(parts.pop(n))) for n in weights], [])
+        gradients_to(unique_xs, [graph.get_tensor_by_name(n) for n in weights],
+                     [_sum(parts.pop(n)) for n in weights], [])
 
     results = []
     for x in xs:
         # An x inside the region is a checkpoint; its seed is its full gradient.
-        grad = seeds.get(x.name) if x.name in plan.checkpoints else _sum(parts.get(x.name, []))
+        grad = (seeds.get(x.name) if x.name in plan.checkpoints
+                else _sum(parts.get(x.name, []) + passed.get(x.name, [])))
         if grad is None and unconnected == tf.UnconnectedGradients.ZERO:
             grad = default_gradient.zeros_like(x)
         results.append(grad)
@@ -130,6 +160,35 @@ def _copy_segment(graph, level, seeds, stub):
             new_t.set_shape(old_t.shape)
             copies[old_t.name] = new_t
     return copies
+
+
+def _is_function_call(op):
+    """True for ops tf.gradients differentiates even at stop_gradients.
+
+    tf.gradients (gradients_util._GradientsHelper) gives every function call
+    (PartitionedCall, StatefulPartitionedCall, a graph function called by its
+    name) a gradient even when its outputs are in stop_gradients.
+    """
+    return (op.type in ("PartitionedCall", "StatefulPartitionedCall")
+            or op.graph._is_function(op.type))  # pylint: disable=protected-access
+
+
+def _kept_inputs(model, leaves, graph, kept):
+    """The tensors to differentiate kept roots to: what their ops read.
+
+    Past a function call among them tf.gradients goes on to the call's own
+    inputs, so those are taken too (and so on); else the gradient it sends
+    there would be lost, or counted again where another root reads them.
+    """
+    read = {}
+    names = [n for t in kept for n in model.op_inputs[t.op.name]]
+    for name in names:  # grows while it is walked
+        if name in read or not leaves.wanted(name):
+            continue
+        read[name] = tensor = graph.get_tensor_by_name(name)
+        if _is_function_call(tensor.op):
+            names.extend(model.op_inputs.get(tensor.op.name, ()))
+    return list(read.values())
 
 
 def _differentiable(name, graph):

