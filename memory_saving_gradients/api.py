@@ -9,6 +9,7 @@ import dataclasses
 import logging
 
 import tensorflow as tf
+from tensorflow.python.ops import control_flow_util
 
 from memory_saving_gradients import graph_model
 from memory_saving_gradients import planning
@@ -174,7 +175,8 @@ def _select(model, ys, xs, checkpoints):
     _check_same_graph(tensors, graph, "checkpoints")
     x_names = {x.name for x in xs}
     for t in tensors:
-        if getattr(t.op, "_control_flow_context", None) is not None:
+        # An Exit op sits in its loop's context, but its output lives after the loop.
+        if control_flow_util.GetOutputContext(t.op) is not None:
             raise ValueError(f"checkpoint {t.name} is inside a tf.while_loop or tf.cond "
                              f"body; checkpoint the loop's or cond's outputs instead")
         if t.name not in model.region and t.name not in x_names:

@@ -59,14 +59,15 @@ def expand_to_ops(model, names):
 def segment(model, root, checkpoints):
     """Tensors recomputed to rebuild `root` from the checkpoints above it.
 
-    Returns (recomputed tensor names, checkpoints read). The root's own op is
-    reused as is, not copied, when every activation it reads is kept: its
-    gradient then needs nothing that was dropped. O(size of the segment).
+    Returns (recomputed tensor names, checkpoints read). A root that cannot be
+    recomputed is differentiated as it is. A recomputable root is always
+    copied, even when every activation it reads is kept, so its gradient reads
+    this level's inputs; TensorFlow never runs such a copy if its gradient
+    does not read its output (matmuls, convolutions). O(size of the segment).
     """
     graph = model.graph
-    preds = set(graph.predecessors(root))
-    if not graph.nodes[root]["recomputable"] or preds <= checkpoints:
-        return set(), preds
+    if not graph.nodes[root]["recomputable"]:
+        return set(), set(graph.predecessors(root))
     recomputed, needed = {root}, set()
     stack = [root]
     while stack:

@@ -329,13 +329,6 @@ def test_while_loop_rnn(runtime, flavour):
     assert_matches_stock(outcome)
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason=(
-    "api._select rejects every tensor whose op has a _control_flow_context, but "
-    "a tf.compat.v1 while loop's Exit ops carry the loop's context although their "
-    "outputs live after the loop (control_flow_util.GetOutputContext gives the "
-    "outer context); so the loop output, which the error message itself tells "
-    "users to checkpoint, is refused. The engine handles it (see "
-    "test_while_loop_rnn); the check is in api.py, which this suite does not own."))
 def test_v1_while_loop_output_as_checkpoint():
     with control_flow_v1():
         outcome = gradients_vs_stock("session", _rnn_model, {"x": _normal((2, 4, 3))},
