@@ -83,8 +83,8 @@ def backprop(model, plan, ys, xs, grad_ys, stop_gradients, tf_kwargs, unconnecte
             kept = [graph.get_tensor_by_name(c) for c in level.checkpoints
                     if c in unsent and c not in copies and _differentiable(c, graph)]
             if kept:
-                # Roots kept as they are (stateful, control flow, or fed only by
-                # checkpoints): differentiate the original ops.
+                # Roots that cannot be recomputed (stateful, control flow):
+                # differentiate the original ops.
                 read = _kept_inputs(model, leaves, graph, kept)
                 gradients_to(read, kept, [unsent[t.name] for t in kept], read)
 

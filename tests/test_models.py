@@ -421,13 +421,18 @@ def test_unconnected_xs(runtime, unconnected):
     assert_matches_stock(outcome)
 
 
+def _leaky_residual_stack(ctx, x, depth=8):
+    """A variable w, the block outputs [x, h1, ..., h_depth], and a scalar loss."""
+    w = ctx.variable("w", _normal((6, 6), 0.5, seed=1))
+    hs = [x]
+    for _ in range(depth):
+        hs.append(tf.tanh(tf.matmul(hs[-1], w)) + 0.5 * hs[-1])
+    return w, hs, tf.reduce_sum(tf.square(hs[-1]))
+
+
 def test_stop_gradients_pass_through(runtime):
     def build(ctx, x):
-        w = ctx.variable("w", _normal((6, 6), 0.5, seed=1))
-        hs = [x]
-        for _ in range(8):
-            hs.append(tf.tanh(tf.matmul(hs[-1], w)) + 0.5 * hs[-1])
-        y = tf.reduce_sum(tf.square(hs[-1]))
+        w, hs, y = _leaky_residual_stack(ctx, x)
         return Model(ys=[y], xs=[x, w], kwargs={"stop_gradients": [hs[3], hs[6]]},
                      lists={"around_stops": [hs[2], hs[4], hs[7]], "at_stop": [hs[3]]})
 
@@ -437,11 +442,7 @@ def test_stop_gradients_pass_through(runtime):
 
 def test_intermediate_tensor_as_x(runtime):
     def build(ctx, x):
-        w = ctx.variable("w", _normal((6, 6), 0.5, seed=1))
-        hs = [x]
-        for _ in range(8):
-            hs.append(tf.tanh(tf.matmul(hs[-1], w)) + 0.5 * hs[-1])
-        y = tf.reduce_sum(tf.square(hs[-1]))
+        w, hs, y = _leaky_residual_stack(ctx, x)
         # x and w twice: tf.gradients answers each entry; none counts twice.
         return Model(ys=[y], xs=[hs[4], x, w, hs[2], x, w, y],
                      lists={"around": [hs[3], hs[6]], "at_x": [hs[4]]})
