@@ -9,7 +9,6 @@ import dataclasses
 import logging
 
 import tensorflow as tf
-from tensorflow.python.ops import control_flow_util
 
 from memory_saving_gradients import graph_model
 from memory_saving_gradients import planning
@@ -175,8 +174,7 @@ def _select(model, ys, xs, checkpoints):
     _check_same_graph(tensors, graph, "checkpoints")
     x_names = {x.name for x in xs}
     for t in tensors:
-        # An Exit op sits in its loop's context, but its output lives after the loop.
-        if control_flow_util.GetOutputContext(t.op) is not None:
+        if graph_model.in_v1_control_flow(t.op, output=True):
             raise ValueError(f"checkpoint {t.name} is inside a tf.while_loop or tf.cond "
                              f"body; checkpoint the loop's or cond's outputs instead")
         if t.name not in model.region and t.name not in x_names:

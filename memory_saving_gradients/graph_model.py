@@ -20,6 +20,7 @@ import math
 
 import networkx as nx
 import tensorflow as tf
+from tensorflow.python.ops import control_flow_util
 
 # Ops whose copies would not behave like the original (or could not be
 # differentiated when copied): their outputs are kept instead of recomputed.
@@ -83,13 +84,28 @@ def is_recomputable(op):
     """True if rerunning a copy of `op` gives the same values and gradients."""
     if op.type in CONTROL_FLOW_OP_TYPES or op.op_def.is_stateful:
         return False
-    if getattr(op, "_control_flow_context", None) is not None:
+    if in_v1_control_flow(op):
         return False  # inside a tf.compat.v1 while/cond body
     if op.graph._is_function(op.type):  # pylint: disable=protected-access
         return False  # call of a graph function by its own op type
     tensors = list(op.inputs) + list(op.outputs)
     return not any(t.dtype._is_ref_dtype or t.dtype.base_dtype in _OPAQUE_DTYPES  # pylint: disable=protected-access
                    for t in tensors)
+
+
+def in_v1_control_flow(op, output=False):
+    """True if `op` (with `output`: its outputs) is in a tf.compat.v1 while/cond body.
+
+    Ops under jit_compile sit in an XLA context, which is not a body; an
+    Exit op sits in its loop's context, but its outputs live after the loop.
+    """
+    context = (control_flow_util.GetOutputContext(op) if output
+               else op._get_control_flow_context())  # pylint: disable=protected-access
+    while context is not None:
+        if context.IsWhileContext() or context.IsCondContext():
+            return True
+        context = context.outer_context
+    return False
 
 
 def tensor_bytes(t):

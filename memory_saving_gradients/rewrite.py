@@ -13,6 +13,7 @@ That keeps the rewrite near-linear in graph size.
 
 import tensorflow as tf
 from tensorflow.python.framework import ops as tf_ops
+from tensorflow.python.ops import control_flow_util
 from tensorflow.python.ops import default_gradient
 from tensorflow.python.ops import gradients_impl
 
@@ -29,7 +30,7 @@ def backprop(model, plan, ys, xs, grad_ys, stop_gradients, tf_kwargs, unconnecte
     # would be collected as one more partial gradient.
     sources = list({t.name: t for t in checkpoints + list(xs)}.values())
     unique_xs = list({x.name: x for x in xs}.values())
-    leaves = _Leaves(model, plan, xs)
+    leaves = _Leaves(model, plan, xs, graph)
     # tf.gradients differentiates function calls even at stop_gradients (see
     # _is_function_call): a part it has sent through such an op already is
     # kept apart, to count in the full gradient but never be sent again.
@@ -74,7 +75,9 @@ def backprop(model, plan, ys, xs, grad_ys, stop_gradients, tf_kwargs, unconnecte
                 unsent[c] = _sum(late) if early else seeds[c]
         with graph.name_scope(f"recompute_{number}"):
             stubs = {}
-            copies = _copy_segment(graph, level, seeds, lambda t: leaves.stub(t, stubs))
+            arrived = [seeds[c] for c in level.checkpoints if c in seeds]
+            copies = _copy_segment(graph, level, seeds,
+                                   lambda t: leaves.stub(t, stubs, arrived))
             roots = [c for c in level.checkpoints if c in copies and c in seeds]
             if roots:
                 mapped = [copies.get(s.name, s) for s in stop_gradients]
@@ -114,10 +117,11 @@ class _Leaves:
     walks one segment, not the whole graph.
     """
 
-    def __init__(self, model, plan, xs):
+    def __init__(self, model, plan, xs, graph):
         self._model = model
         self._checkpoints = frozenset(plan.checkpoints)
         self._x_names = frozenset(x.name for x in xs)
+        self._xla = control_flow_util.GraphOrParentsInXlaContext(graph)
 
     def is_weight(self, name):
         return name in self._model.region and name not in self._model.graph
@@ -125,12 +129,22 @@ class _Leaves:
     def wanted(self, name):
         return name in self._checkpoints or name in self._x_names or self.is_weight(name)
 
-    def stub(self, tensor, stubs):
-        """The level's stub for `tensor` (made on first use), or `tensor` itself."""
+    def stub(self, tensor, stubs, arrived):
+        """The level's stub for `tensor` (made on first use), or `tensor` itself.
+
+        `arrived` are the gradients reaching the level. XLA (jit_compile)
+        drops the control inputs that make copies wait for them, then runs
+        the copies early or merges them with their originals (CSE, even
+        through optimization barriers on CPU). So under XLA the stub also
+        reads one of those gradients: a data dependency XLA must respect.
+        """
         if not self.wanted(tensor.name):
             return tensor
         if tensor.name not in stubs:
-            stub = tf.identity(tensor)
+            if self._xla and arrived and _addable(tensor.dtype):
+                stub = _after(tensor, arrived[0])
+            else:
+                stub = tf.identity(tensor)
             stub.op._set_device(tensor.op.device)  # pylint: disable=protected-access
             stubs[tensor.name] = stub
         return stubs[tensor.name]
@@ -160,6 +174,23 @@ def _copy_segment(graph, level, seeds, stub):
             new_t.set_shape(old_t.shape)
             copies[old_t.name] = new_t
     return copies
+
+
+def _addable(dtype):
+    return dtype.is_floating or dtype.is_integer or dtype.is_complex
+
+
+def _after(tensor, gradient):
+    """`tensor` plus a zero computed from one element of `gradient`.
+
+    The zero is `0 * (g != g)` cast: never NaN (unlike `0 * g` for an
+    infinite g), and XLA folds `x * 0` only for integers, so it stays.
+    """
+    values = gradient.values if isinstance(gradient, tf.IndexedSlices) else gradient
+    with tf.name_scope("wait_for_gradient"):
+        element = tf.reshape(values, [-1])[:1]
+        unordered = tf.reduce_any(tf.not_equal(element, element))
+        return tensor + tf.cast(unordered, tensor.dtype) * tf.zeros([], tensor.dtype)
 
 
 def _is_function_call(op):

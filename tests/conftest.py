@@ -28,7 +28,7 @@ import memory_saving_gradients as msg  # noqa: E402
 # The unpatched tf.gradients, whatever other tests do to tf.gradients.
 stock_gradients = gradients_impl.gradients
 
-RUNTIMES = ("session", "function")
+RUNTIMES = ("session", "function", "xla")
 MODES = ("memory", "speed")
 
 
@@ -148,7 +148,8 @@ def gradients_vs_stock(runtime, build, inputs, modes=MODES, shapes=None):
 
     Args:
       runtime: 'session' (tf.compat.v1 Graph + Session, inputs are
-        placeholders) or 'function' (tf.function, inputs are arguments).
+        placeholders), 'function' (tf.function, inputs are arguments) or
+        'xla' (the same with jit_compile=True).
       build: the model-building function; it must create variables with
         `ctx.variable` so they are made once and initialised the same way.
       inputs: name -> numpy array fed as that input.
@@ -183,7 +184,7 @@ def gradients_vs_stock(runtime, build, inputs, modes=MODES, shapes=None):
                     sess, {"stock": stock, "ours": ours, "forward": _forward(model)},
                     feed_dict)
                 variables = sess.run(ctx.variables)
-    elif runtime == "function":
+    elif runtime in ("function", "xla"):
         names = sorted(specs)
 
         def stock_only(*args):
@@ -198,16 +199,18 @@ def gradients_vs_stock(runtime, build, inputs, modes=MODES, shapes=None):
         signature = [specs[name] for name in names]
         args = [tf.constant(inputs[name]) for name in names]
         # No autograph: the graph holds exactly the ops the model function makes.
-        stock_fn = tf.function(stock_only, input_signature=signature, autograph=False)
+        jit = runtime == "xla"
+        stock_fn = tf.function(stock_only, input_signature=signature, autograph=False,
+                               jit_compile=jit)
         gradients_fn = tf.function(with_gradients, input_signature=signature,
-                                   autograph=False)
+                                   autograph=False, jit_compile=jit)
         stock_fn.get_concrete_function()  # creates the variables
         initial = {name: v.numpy() for name, v in ctx.variables.items()}
         forward_stock_only = stock_fn(*args)["forward"]
         for name, v in ctx.variables.items():
             v.assign(initial[name])
         concrete = gradients_fn.get_concrete_function()
-        results = concrete(*args)
+        results = gradients_fn(*args) if jit else concrete(*args)
         variables = ctx.variables
         graph = concrete.graph
     else:
@@ -294,5 +297,5 @@ def control_flow_v1():
 
 @pytest.fixture(params=RUNTIMES)
 def runtime(request):
-    """Each model test runs in a Graph + Session and inside a tf.function."""
+    """Each model test runs in a Graph + Session, in a tf.function, and under XLA."""
     return request.param
