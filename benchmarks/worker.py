@@ -40,12 +40,6 @@ from benchmarks.methods import BASELINE, METHODS
 from benchmarks.models import FAMILIES, build_chain
 
 LEARNING_RATE = 1e-3
-# The CPU allocator statistics behind function_peak_bytes count only allocations
-# of at least 256 KiB (measured on TF 2.21: a 256,000-byte tensor adds 0 to the
-# peak, a 262,144-byte one adds 262,144). The models keep their activations
-# above that size; smaller weight gradients are not in the peak, so they are
-# not subtracted from it either.
-TRACKED_MIN_BYTES = 256 * 1024
 GRAD_TOLERANCE = 1e-3  # max relative error per variable before a method is flagged
 
 
@@ -94,10 +88,9 @@ def _flat(grads):
             for t in ((g.values, g.indices) if isinstance(g, tf.IndexedSlices) else (g,))]
 
 
-def tracked_bytes(grads):
-    """Bytes of the gradient tensors the allocator statistics can see."""
-    sizes = [int(np.prod(t.shape)) * t.dtype.size for t in _flat(grads)]
-    return sum(b for b in sizes if b >= TRACKED_MIN_BYTES)
+def grad_bytes(grads):
+    """Bytes of the gradient tensors (every allocation counts with the BFC allocator)."""
+    return sum(int(np.prod(t.shape)) * t.dtype.size for t in _flat(grads))
 
 
 def dense(model, grads):
@@ -186,7 +179,7 @@ def measure(job):
         step = traced_step(method, model, inputs, labels, row)
         row["stage"] = "first step"
         loss, grads = step(inputs, labels)
-        row.update(initial_loss=float(loss), weight_grad_bytes=tracked_bytes(grads))
+        row.update(initial_loss=float(loss), weight_grad_bytes=grad_bytes(grads))
         grads = dense(model, grads)
         twin = None
         if job["method"] == BASELINE:
@@ -327,6 +320,8 @@ KINDS = {"measure": measure, "max_batch": measure_max_batch, "rewrite": measure_
 
 
 def main(argv=None):
+    import memory_saving_gradients as msg
+    msg.enable_cpu_allocator_stats()  # before the first op picks the allocator
     argv = sys.argv[1:] if argv is None else argv
     with open(argv[0]) as f:
         job = json.load(f)

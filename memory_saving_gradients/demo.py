@@ -90,6 +90,7 @@ def main(argv=None):
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per method")
     args = parser.parse_args(argv)
+    msg.enable_cpu_allocator_stats()  # before the first op picks the allocator
     print(f"ResNet with {args.blocks} residual blocks ({2 * args.blocks + 2} layers), "
           f"{args.channels} channels, batch {args.batch} of 32x32x3, on "
           f"{tf.config.list_logical_devices()[0].device_type}, TensorFlow {tf.__version__}")

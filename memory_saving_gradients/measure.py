@@ -4,7 +4,24 @@ Used by the tests, the demo and the benchmarks, and by users who want to see
 what checkpointing saved on their own model.
 """
 
+import os
+
 import tensorflow as tf
+
+# TensorFlow's default CPU allocator keeps statistics only when oneDNN is on,
+# which TF enables by default on some Intel CPUs only (not on AMD): the BFC
+# allocator keeps them everywhere, and counts every allocation.
+_STATS_ENV = "TF_CPU_ALLOCATOR_USE_BFC"
+
+
+def enable_cpu_allocator_stats():
+    """Makes TensorFlow's CPU allocator keep the statistics `function_peak_bytes` reads.
+
+    Sets TF_CPU_ALLOCATOR_USE_BFC=1 unless the environment sets it already.
+    TensorFlow picks its CPU allocator when it runs its first op, so call this
+    after `import tensorflow` but before any op runs; later it changes nothing.
+    """
+    os.environ.setdefault(_STATS_ENV, "1")
 
 
 def session_peak_bytes(sess, fetches, feed_dict=None):
@@ -37,9 +54,18 @@ def function_peak_bytes(fn, *args, device="CPU:0", **kwargs):
 
     Uses the allocator's own statistics (tf.config.experimental memory info),
     reset before the call, so call a traced tf.function once before measuring
-    if tracing should not count.
+    if tracing should not count. On CPU it needs `enable_cpu_allocator_stats()`
+    first on most machines; it raises RuntimeError saying so otherwise.
     """
-    tf.config.experimental.reset_memory_stats(device)
+    try:
+        tf.config.experimental.reset_memory_stats(device)
+    except ValueError as error:
+        raise RuntimeError(
+            f"TensorFlow keeps no allocator statistics for {device} in this process "
+            f"(on CPU it keeps them only with oneDNN on, or with the BFC allocator): "
+            f"call memory_saving_gradients.enable_cpu_allocator_stats(), or set "
+            f"{_STATS_ENV}=1 in the environment, before TensorFlow runs its first "
+            f"op") from error
     start = tf.config.experimental.get_memory_info(device)["current"]
     result = fn(*args, **kwargs)
     peak = tf.config.experimental.get_memory_info(device)["peak"]

@@ -12,6 +12,8 @@ stateful ops such as dropout masks are shared between stock and ours.
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# Allocator statistics for function_peak_bytes on any CPU (see measure.py).
+os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "1")
 
 import contextlib  # noqa: E402
 import dataclasses  # noqa: E402

@@ -4,6 +4,10 @@ Graph-mode peaks come from the allocation records of a traced Session run.
 With 250,000-float tensors one unit is 1 MB, so peaks are counted in units.
 """
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -134,3 +138,32 @@ def test_memory_mode_without_bottleneck_warns_and_still_saves(caplog):
     np.testing.assert_allclose(ours_val[0], stock_val[0], rtol=1e-5, atol=1e-6)
     assert stock_peak >= 80 * MB
     assert ours_peak <= stock_peak / 2, (stock_peak, ours_peak)
+
+
+_MEASURE_ONE_CALL = """
+import tensorflow as tf
+import memory_saving_gradients as msg
+if {enable}:
+    msg.enable_cpu_allocator_stats()
+step = tf.function(lambda x: tf.tanh(x) * 2.0)
+x = tf.ones([250_000])
+step(x)
+try:
+    print("peak", msg.function_peak_bytes(step, x)[0])
+except RuntimeError as error:
+    print("error", error)
+"""
+
+
+@pytest.mark.parametrize("enable", [True, False], ids=["enabled", "default_allocator"])
+def test_function_peak_needs_allocator_stats_and_says_how(enable):
+    """A fresh process, as TensorFlow picks its CPU allocator once; oneDNN off,
+    so the default allocator keeps no statistics on any CPU."""
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPU_ALLOCATOR_USE_BFC"}
+    env.update(TF_ENABLE_ONEDNN_OPTS="0", TF_CPP_MIN_LOG_LEVEL="2")
+    out = subprocess.run([sys.executable, "-c", _MEASURE_ONE_CALL.format(enable=enable)],
+                         env=env, capture_output=True, text=True, check=True).stdout
+    if enable:
+        assert int(out.split()[-1]) >= MB, out  # at least the 1 MB result
+    else:
+        assert "enable_cpu_allocator_stats()" in out and "TF_CPU_ALLOCATOR_USE_BFC=1" in out
