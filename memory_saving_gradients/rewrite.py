@@ -14,8 +14,11 @@ That keeps the rewrite near-linear in graph size.
 import tensorflow as tf
 from tensorflow.python.framework import ops as tf_ops
 from tensorflow.python.ops import control_flow_util
+from tensorflow.python.ops import control_flow_util_v2
 from tensorflow.python.ops import default_gradient
 from tensorflow.python.ops import gradients_impl
+
+from memory_saving_gradients import graph_model
 
 # Captured at import so that patching tf.gradients never makes us call ourselves.
 _stock_gradients = gradients_impl.gradients
@@ -75,7 +78,9 @@ def backprop(model, plan, ys, xs, grad_ys, stop_gradients, tf_kwargs, unconnecte
                 unsent[c] = _sum(late) if early else seeds[c]
         with graph.name_scope(f"recompute_{number}"):
             stubs = {}
-            arrived = [seeds[c] for c in level.checkpoints if c in seeds]
+            # Numeric ones only: a loop's TensorList gradient is a variant.
+            arrived = [seeds[c] for c in level.checkpoints
+                       if c in seeds and _addable(_values(seeds[c]).dtype)]
             copies = _copy_segment(graph, level, seeds,
                                    lambda t: leaves.stub(t, stubs, arrived))
             roots = [c for c in level.checkpoints if c in copies and c in seeds]
@@ -132,7 +137,7 @@ class _Leaves:
     def stub(self, tensor, stubs, arrived):
         """The level's stub for `tensor` (made on first use), or `tensor` itself.
 
-        `arrived` are the gradients reaching the level. XLA (jit_compile)
+        `arrived` are the numeric gradients reaching the level. XLA (jit_compile)
         drops the control inputs that make copies wait for them, then runs
         the copies early or merges them with their originals (CSE, even
         through optimization barriers on CPU). So under XLA the stub also
@@ -164,16 +169,41 @@ def _copy_segment(graph, level, seeds, stub):
         op = graph.get_operation_by_name(op_name)
         inputs = [copies[i.name] if i.name in copies else stub(i) for i in op.inputs]
         waits = [] if any(i.name in copies for i in op.inputs) else [g.op for g in owners]
+        if waits and op.type in graph_model.LOOP_OP_TYPES:
+            # Differentiating a loop appends data inputs to it, and a node's
+            # control inputs must follow its data inputs: it waits through them.
+            with graph.control_dependencies(waits):
+                inputs = [tf.identity(i) for i in inputs]
+            waits = []
         with graph.control_dependencies(waits):
             new = graph._create_op_internal(  # pylint: disable=protected-access
                 op.type, inputs, dtypes=[o.dtype for o in op.outputs],
                 name=op.name, attrs=dict(op.node_def.attr),
                 op_def=op.op_def, compute_device=False)
         new._set_device(op.device)  # pylint: disable=protected-access
+        if new.type in graph_model.LOOP_OP_TYPES:
+            _give_own_loop_functions(new)
         for old_t, new_t in zip(op.outputs, new.outputs):
             new_t.set_shape(old_t.shape)
             copies[old_t.name] = new_t
     return copies
+
+
+def _give_own_loop_functions(loop):
+    """Gives a copied v2 while loop condition and body graphs of its own.
+
+    Differentiating a while loop makes its functions output per-iteration
+    accumulators, saved under the function's name + '_rewritten'. A copy
+    sharing the original's function names would clash with the original (or
+    another copy) being differentiated too, so it gets fresh names; while_v2
+    reads these graphs from the op (`_cond_graph`, `_body_graph`).
+    """
+    shapes = [tf.TensorShape(s) for s in loop.get_attr("output_shapes")]
+    for part in ("cond", "body"):
+        name = loop.get_attr(part).name
+        func_graph = control_flow_util_v2.get_func_graph(loop, shapes, name)
+        func_graph.name = f"{name}_recomputed_{tf_ops.uid()}"
+        setattr(loop, f"_{part}_graph", func_graph)
 
 
 def _addable(dtype):
@@ -186,11 +216,14 @@ def _after(tensor, gradient):
     The zero is `0 * (g != g)` cast: never NaN (unlike `0 * g` for an
     infinite g), and XLA folds `x * 0` only for integers, so it stays.
     """
-    values = gradient.values if isinstance(gradient, tf.IndexedSlices) else gradient
     with tf.name_scope("wait_for_gradient"):
-        element = tf.reshape(values, [-1])[:1]
+        element = tf.reshape(_values(gradient), [-1])[:1]
         unordered = tf.reduce_any(tf.not_equal(element, element))
         return tensor + tf.cast(unordered, tensor.dtype) * tf.zeros([], tensor.dtype)
+
+
+def _values(gradient):
+    return gradient.values if isinstance(gradient, tf.IndexedSlices) else gradient
 
 
 def _is_function_call(op):

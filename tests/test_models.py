@@ -7,6 +7,7 @@ checkpoint lists in the same graph and evaluates them in one run.
 """
 
 import contextlib
+import re
 
 import numpy as np
 import pytest
@@ -334,6 +335,73 @@ def test_v1_while_loop_output_as_checkpoint():
         outcome = gradients_vs_stock("session", _rnn_model, {"x": _normal((2, 4, 3))},
                                      modes=())
     assert_matches_stock(outcome)
+
+
+def _rnn_stack(ctx, x, layers=3, in_body=None):
+    """`layers` tanh RNNs, each a tf.while_loop over the time steps of its
+    input that reads its weights inside the body and writes a TensorArray, as
+    Keras' LSTM does; `in_body(h)` runs in every body too."""
+    hs = x
+    for layer in range(layers):
+        w = ctx.variable(f"w{layer}", _normal((hs.shape[-1], 6), 0.5, seed=2 * layer))
+        u = ctx.variable(f"u{layer}", _normal((6, 6), 0.4, seed=2 * layer + 1))
+
+        def body(t, h, outs, inputs=hs, w=w, u=u):
+            h = tf.tanh(tf.matmul(inputs[:, t], w) + tf.matmul(h, u))
+            h = in_body(h) if in_body else h
+            return t + 1, h, outs.write(t, h)
+
+        steps = hs.shape[1]
+        _, _, outs = tf.while_loop(  # XLA needs the bound for the TensorArray
+            lambda t, h, outs: t < steps, body, maximum_iterations=steps, loop_vars=[
+                tf.constant(0), tf.zeros([hs.shape[0], 6]), tf.TensorArray(tf.float32, steps)])
+        hs = tf.transpose(outs.stack(), [1, 0, 2])
+    y = tf.reduce_sum(tf.square(hs))
+    return Model(ys=[y], xs=[x] + list(ctx.variables.values()))
+
+
+def _copied_loops(outcome):
+    """Copies of forward loops: '<scope>/recompute_<level>/<forward op name>'.
+    (recompute_copies misses them: differentiating a loop changes its attrs.)"""
+    copies = []
+    for op in outcome.graph.get_operations():
+        match = re.search(r"/recompute_\d+/(.+)$", op.name)
+        if op.type in ("While", "StatelessWhile") and match and (
+                match.group(1) in outcome.forward_ops):
+            copies.append(op.name)
+    return copies
+
+
+def test_loops_that_only_read_variables_are_recomputed(runtime):
+    """Rerunning such a loop late frees its per-iteration state (test_memory)."""
+    outcome = gradients_vs_stock(runtime, _rnn_stack, {"x": _normal((2, 5, 3))})
+    assert_matches_stock(outcome)
+    assert _copied_loops(outcome)
+
+
+@pytest.mark.parametrize("effect", ["dropout", "dropout_in_nested_function", "assign"])
+def test_loops_with_side_effects_are_kept_not_recomputed(runtime, effect):
+    """A rerun would draw new random numbers or assign twice."""
+    def build(ctx, x):
+        if effect == "dropout":
+            return _rnn_stack(ctx, x, in_body=lambda h: tf.nn.dropout(h, rate=0.3))
+        if effect == "dropout_in_nested_function":
+            dropout = tf.function(lambda h: tf.nn.dropout(h, rate=0.3), autograph=False)
+            return _rnn_stack(ctx, x, in_body=dropout)
+        count = ctx.variable("count", 0.0)
+
+        def count_steps(h):
+            with tf.control_dependencies([count.assign_add(1.0)]):
+                return tf.identity(h)
+        model = _rnn_stack(ctx, x, in_body=count_steps)
+        model.xs = [v for v in model.xs if v is not count]
+        return model
+
+    outcome = gradients_vs_stock(runtime, build, {"x": _normal((2, 5, 3))})
+    assert_matches_stock(outcome, forward_unchanged=False)
+    assert not _copied_loops(outcome)
+    if effect == "assign":  # one step per time step and layer, in the one run
+        assert outcome.variables["count"] == 3 * 5
 
 
 @pytest.mark.parametrize("flavour", ["v1", "v2"])
