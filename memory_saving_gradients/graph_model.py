@@ -13,9 +13,10 @@ Vocabulary used across the package:
 * recomputable: an op that may be copied and rerun. Stateful ops (random ops,
   variable reads), control flow and function calls are not: their outputs and
   activation inputs are pinned as checkpoints instead. The exception is a
-  tf.function-style (v2) while loop whose body only reads variables: rerunning
-  it late frees the per-iteration state that its gradient keeps, which is most
-  of a recurrent network's memory.
+  tf.function-style (v2) while loop whose body only reads variables that
+  nothing assigns meanwhile (`loops.is_rerunnable_loop`): rerunning it late
+  frees the per-iteration state that its gradient keeps, which is most of a
+  recurrent network's memory.
 """
 
 import dataclasses
@@ -23,8 +24,9 @@ import math
 
 import networkx as nx
 import tensorflow as tf
-from tensorflow.python.framework import op_def_registry
 from tensorflow.python.ops import control_flow_util
+
+from memory_saving_gradients import loops
 
 # Ops whose copies would not behave like the original (or could not be
 # differentiated when copied): their outputs are kept instead of recomputed.
@@ -42,15 +44,6 @@ DATA_SOURCE_OP_TYPES = frozenset({
 })
 
 _OPAQUE_DTYPES = (tf.resource, tf.variant, tf.string)
-
-# v2 while loops: one op whose body and condition are graph functions.
-LOOP_OP_TYPES = frozenset({"While", "StatelessWhile"})
-# Stateful ops a recomputed loop may contain: rereading a variable gives the
-# same value as long as nothing assigns it between the forward pass and the
-# backprop through the loop, which a training step does not (each variable's
-# update waits for its gradient, and so for the loop's recomputation).
-_READ_ONLY_STATEFUL_OP_TYPES = frozenset({"ReadVariableOp"})
-
 
 @dataclasses.dataclass(frozen=True)
 class GraphModel:
@@ -97,9 +90,8 @@ def is_recomputable(op):
     """True if rerunning a copy of `op` gives the same values and gradients."""
     if in_v1_control_flow(op):
         return False  # inside a tf.compat.v1 while/cond body
-    if op.type in LOOP_OP_TYPES:
-        return all(_only_reads_state(op.graph, op.get_attr(part).name, set())
-                   for part in ("cond", "body"))
+    if op.type in loops.LOOP_OP_TYPES:
+        return loops.is_rerunnable_loop(op)
     if op.type in CONTROL_FLOW_OP_TYPES or op.op_def.is_stateful:
         return False
     if op.graph._is_function(op.type):  # pylint: disable=protected-access
@@ -107,31 +99,6 @@ def is_recomputable(op):
     tensors = list(op.inputs) + list(op.outputs)
     return not any(t.dtype._is_ref_dtype or t.dtype.base_dtype in _OPAQUE_DTYPES  # pylint: disable=protected-access
                    for t in tensors)
-
-
-def _only_reads_state(graph, function_name, seen):
-    """True if the graph function, and every function it calls, has no stateful
-    op other than variable reads. Functions are looked up in `graph` and the
-    graphs enclosing it; one not found counts as stateful."""
-    if function_name in seen:
-        return True
-    seen.add(function_name)
-    function, scope = None, graph
-    while function is None and scope is not None:
-        function = scope._get_function(function_name)  # pylint: disable=protected-access
-        scope = getattr(scope, "outer_graph", None)
-    if function is None:
-        return False
-    for node in function.cached_definition.node_def:
-        called = [value.func.name for value in node.attr.values() if value.func.name]
-        op_def = op_def_registry.get(node.op)
-        if op_def is None:  # a call of a graph function by its name
-            called.append(node.op)
-        elif op_def.is_stateful and node.op not in _READ_ONLY_STATEFUL_OP_TYPES and not called:
-            return False
-        if not all(_only_reads_state(graph, name, seen) for name in called):
-            return False
-    return True
 
 
 def in_v1_control_flow(op, output=False):

@@ -19,6 +19,7 @@ from tensorflow.python.ops import default_gradient
 from tensorflow.python.ops import gradients_impl
 
 from memory_saving_gradients import graph_model
+from memory_saving_gradients import loops
 
 # Captured at import so that patching tf.gradients never makes us call ourselves.
 _stock_gradients = gradients_impl.gradients
@@ -169,7 +170,7 @@ def _copy_segment(graph, level, seeds, stub):
         op = graph.get_operation_by_name(op_name)
         inputs = [copies[i.name] if i.name in copies else stub(i) for i in op.inputs]
         waits = [] if any(i.name in copies for i in op.inputs) else [g.op for g in owners]
-        if waits and op.type in graph_model.LOOP_OP_TYPES:
+        if waits and op.type in loops.LOOP_OP_TYPES:
             # Differentiating a loop appends data inputs to it, and a node's
             # control inputs must follow its data inputs: it waits through them.
             with graph.control_dependencies(waits):
@@ -181,7 +182,7 @@ def _copy_segment(graph, level, seeds, stub):
                 name=op.name, attrs=dict(op.node_def.attr),
                 op_def=op.op_def, compute_device=False)
         new._set_device(op.device)  # pylint: disable=protected-access
-        if new.type in graph_model.LOOP_OP_TYPES:
+        if new.type in loops.LOOP_OP_TYPES:
             _give_own_loop_functions(new)
         for old_t, new_t in zip(op.outputs, new.outputs):
             new_t.set_shape(old_t.shape)

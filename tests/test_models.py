@@ -16,6 +16,7 @@ from tensorflow.python.ops import resource_variable_ops
 
 import memory_saving_gradients as msg
 from conftest import IndexedSlicesValue
+from conftest import Context
 from conftest import Model
 from conftest import assert_matches_stock
 from conftest import control_flow_v1
@@ -424,6 +425,89 @@ def test_keras_recurrent_layers_with_dropout():
     outcome = gradients_vs_stock("function", build, {"x": _normal((3, 7, 4))})
     assert_matches_stock(outcome, forward_unchanged=False)
     assert len(_copied_loops(outcome)) == len(layers)
+
+
+def _loop_with_nested(ctx, x, nested):
+    """A tanh RNN whose body runs `nested` control flow that reads a variable."""
+    w = ctx.variable("w", _normal((3, 3), 0.5, seed=1))
+    u = ctx.variable("u", _normal((3, 3), 0.5, seed=2))
+    matmul_w = tf.function(lambda h: tf.tanh(tf.matmul(h, w)), autograph=False)
+
+    def inner(t, h):
+        if nested == "while":
+            return tf.while_loop(lambda s, g: s < 2, lambda s, g: (s + 1, matmul_w.python_function(g)),
+                                 [tf.constant(0), h])[1]
+        if nested == "cond":
+            return tf.cond(t % 2 == 0, lambda: matmul_w.python_function(h), lambda: h * 0.5)
+        return matmul_w(h)
+
+    def body(t, h):
+        return t + 1, tf.tanh(tf.matmul(inner(t, h), u))
+
+    _, h = tf.while_loop(lambda t, h: t < 3, body, [tf.constant(0), tf.tanh(x * 2.0)])
+    return [tf.reduce_sum(tf.square(tf.tanh(h * 2.0)))], [x, w, u]
+
+
+@pytest.mark.parametrize("nested", ["while", "cond", "function_call"])
+def test_loops_with_nested_functional_ops_are_kept(nested):
+    """Rerunning such a loop differentiates its rebuilt body, which raised
+    (cond: no handle data; ours then stock: duplicate inner function) or gave
+    wrong gradients (inner while) when no stock gradient came first."""
+    ctx = Context()
+    x = tf.constant(_normal((2, 3)))
+
+    def run(*kinds):
+        def step(x):
+            ys, xs = _loop_with_nested(ctx, x, nested)
+            return [stock_gradients(ys, xs) if kind == "stock"
+                    else msg.gradients(ys, xs, checkpoints=kind) for kind in kinds]
+        step = tf.function(step, autograph=False)
+        graph = step.get_concrete_function(x).graph
+        copies = [op.name for op in graph.get_operations()
+                  if op.type in ("While", "StatelessWhile") and "/recompute_" in op.name
+                  and "_grad" not in op.name]
+        return [[g.numpy() for g in grads] for grads in step(x)], copies
+
+    (stock,), _ = run("stock")
+    alone, copies_alone = run("memory", "speed")
+    ours_then_stock, copies_first = run("memory", "speed", "stock")
+    assert not copies_alone and not copies_first
+    for grads in alone + ours_then_stock:
+        for ours, expected in zip(grads, stock):
+            np.testing.assert_allclose(ours, expected, rtol=1e-5, atol=1e-6)
+
+
+def _rnn_stack_with_assign(ctx, x, when):
+    """`_rnn_stack` with its first weight updated `when` ('before' the loops
+    run or 'after' them, before backprop, as in a GAN step)."""
+    w0 = ctx.variable("w0", _normal((x.shape[-1], 6), 0.5, seed=0))
+    update = w0.assign_add(tf.fill(w0.shape, 0.1)) if when == "before" else None
+    # On the loops themselves: a Session runs a lowered loop's variable reads
+    # as soon as the handle enters it, not after its data inputs.
+    with tf.control_dependencies([update] if update is not None else []):
+        model = _rnn_stack(ctx, x)
+    if when == "after":
+        with tf.control_dependencies(model.ys):  # in a Session, too, after the loops
+            update = w0.assign_add(tf.fill(w0.shape, 0.1))
+    model.fetch["updated"] = update
+    return model
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_loops_reading_a_variable_assigned_before_backprop(runtime, when):
+    """A rerun would read the new value: a loop whose variable may be assigned
+    between the forward pass and backprop is kept; one assigned before the
+    loop ran (an ancestor of it) is rerun."""
+    outcome = gradients_vs_stock(runtime, lambda ctx, x: _rnn_stack_with_assign(ctx, x, when),
+                                 {"x": _normal((2, 5, 3))})
+    assert_matches_stock(outcome)
+    copied = _copied_loops(outcome)
+    assert len(copied) == (3 if when == "before" else 2)
+    # The loop of the updated weight is the first loop built.
+    first_loop = min((op for op in outcome.graph.get_operations()
+                      if op.type in ("While", "StatelessWhile") and op.name in outcome.forward_ops),
+                     key=lambda op: op._id)  # pylint: disable=protected-access
+    assert (first_loop.name in copied) == (when == "before")
 
 
 @pytest.mark.parametrize("flavour", ["v1", "v2"])
