@@ -14,7 +14,7 @@ Vocabulary used across the package:
   variable reads), control flow and function calls are not: their outputs and
   activation inputs are pinned as checkpoints instead. The exception is a
   tf.function-style (v2) while loop whose body only reads variables that
-  nothing assigns meanwhile (`loops.is_rerunnable_loop`): rerunning it late
+  nothing assigns meanwhile (`loops.rerunnable_loops`): rerunning it late
   frees the per-iteration state that its gradient keeps, which is most of a
   recurrent network's memory.
 """
@@ -86,12 +86,15 @@ class GraphModel:
         return sum(self.graph.nodes[n]["bytes"] for n in names)
 
 
-def is_recomputable(op):
-    """True if rerunning a copy of `op` gives the same values and gradients."""
+def is_recomputable(op, rerunnable_loops=frozenset()):
+    """True if rerunning a copy of `op` gives the same values and gradients.
+
+    v2 while loops are recomputable only if in `rerunnable_loops` (see loops.py).
+    """
     if in_v1_control_flow(op):
         return False  # inside a tf.compat.v1 while/cond body
     if op.type in loops.LOOP_OP_TYPES:
-        return loops.is_rerunnable_loop(op)
+        return op in rerunnable_loops
     if op.type in CONTROL_FLOW_OP_TYPES or op.op_def.is_stateful:
         return False
     if op.graph._is_function(op.type):  # pylint: disable=protected-access
@@ -227,6 +230,7 @@ def build_model(ys, xs):
     data = data_tensors(ys[0].graph)
     inputs = unit_inputs(ops)
     units = [op for op in ops if op in inputs]
+    rerunnable = loops.rerunnable_loops(units)
 
     activations = set()
     for op in units:
@@ -248,7 +252,7 @@ def build_model(ys, xs):
         if not outs:
             other_bytes += sum(tensor_bytes(o) for o in op.outputs)
             continue
-        recomputable = is_recomputable(op)
+        recomputable = is_recomputable(op, rerunnable)
         cost = op_cost(op)
         op_outputs[op.name] = tuple(o.name for o in outs)
         act_inputs = [i.name for i in inputs[op] if i.name in activations]

@@ -5,13 +5,13 @@ of a recurrent network's memory. A rerun must see what the forward pass saw:
 
 * its condition and body draw no random numbers and write no state; reading
   variables is allowed;
-* no variable it reads can be assigned between the forward pass and the
-  rerun;
 * its body holds no nested functional op (If, While, Case, function calls):
   the rerun differentiates function graphs rebuilt from their FunctionDefs,
   and those lose what nested control flow needs (resource handle data, the
   gradient functions of inner loops); tf.gradients then raises or silently
-  gives wrong gradients.
+  gives wrong gradients;
+* no variable it reads may be assigned between the forward pass and the
+  rerun, through any handle that may point to it.
 
 Anything else is kept, as any stateful op is.
 """
@@ -24,20 +24,17 @@ LOOP_OP_TYPES = frozenset({"While", "StatelessWhile"})
 # Stateful ops that only read a variable: rerunning them gives the same value
 # as long as nothing assigns the variable in between.
 _READ_OP_TYPES = frozenset({"ReadVariableOp", "VariableShape", "VarIsInitializedOp"})
-# Ops that pass a resource handle on unchanged.
-_FORWARDING_OP_TYPES = frozenset({"Identity", "IdentityN"})
+# Ops that run Python, which may assign any variable without taking its handle.
+_PYTHON_OP_TYPES = frozenset({"PyFunc", "EagerPyFunc"})
 
 
-def is_rerunnable_loop(op):
-    """True if `op` is a v2 while loop that gives the same values when rerun."""
-    if op.type not in LOOP_OP_TYPES:
-        return False
-    for part in ("cond", "body"):
-        function = _find_function(op.graph, op.get_attr(part).name)
-        if function is None or not all(
-                _is_plain_read_only(node) for node in function.cached_definition.node_def):
-            return False
-    return not _assigned_meanwhile(op)
+def rerunnable_loops(ops):
+    """The v2 while loops among `ops` (of one graph) that give the same values when rerun."""
+    loops = [op for op in ops if op.type in LOOP_OP_TYPES]
+    if not loops:
+        return set()
+    state = _GraphState(loops[0].graph)
+    return {op for op in loops if state.body_is_plain(op) and not state.assigned_meanwhile(op)}
 
 
 def _find_function(graph, name):
@@ -59,76 +56,147 @@ def _called_functions(node):
     return names
 
 
-def _is_plain_read_only(node):
-    """True if the NodeDef runs no function and is stateless or a variable read."""
-    if _called_functions(node):
-        return False
-    return node.op in _READ_OP_TYPES or not op_def_registry.get(node.op).is_stateful
+def _resources(tensors):
+    return [t for t in tensors if t.dtype == tf.resource]
 
 
-def _may_write(op):
-    """True if `op` may write a resource it is given (conservative)."""
-    if op.type in _READ_OP_TYPES or op.type in _FORWARDING_OP_TYPES:
-        return False
-    names = _called_functions(op.node_def)
-    if names:
-        return not all(_only_reads(op.graph, name, set()) for name in names)
-    return op.op_def.is_stateful
+class _GraphState:
+    """What a graph does to its resources, read once for all of its loops."""
 
+    def __init__(self, graph):
+        self._graph = graph
+        self._only_reads_memo = {}
+        self._after = {}  # writer -> the ops that wait for it
+        self._group = {}  # handle tensor name -> a representative (union-find)
+        self._writers = []  # (op, group representatives it may write, or None for any)
+        self._group_handles(graph.get_operations())
+        for op in graph.get_operations():
+            if op.type not in LOOP_OP_TYPES and self._may_write(op):
+                handles = _resources(op.inputs)
+                # Without a handle input, only Python or a function may find a
+                # variable (by its shared name); stateful ops like random ones write none.
+                self._writers.append((op, {self._find(t.name) for t in handles} if handles
+                                      else None))
+        variables = graph.get_collection("variables") + graph.get_collection("local_variables")
+        self._initializers = {getattr(v, "initializer", None) for v in variables}
 
-def _only_reads(graph, name, seen):
-    """True if function `name` and those it calls hold no stateful op but reads."""
-    if name in seen:
-        return True
-    seen.add(name)
-    function = _find_function(graph, name)
-    if function is None:
-        return False
-    for node in function.cached_definition.node_def:
-        called = _called_functions(node)
-        if called:
-            if not all(_only_reads(graph, n, seen) for n in called):
+    def body_is_plain(self, loop):
+        """True if the loop's cond and body run only stateless ops and variable reads."""
+        for part in ("cond", "body"):
+            function = _find_function(self._graph, loop.get_attr(part).name)
+            if function is None:
                 return False
-        elif node.op not in _READ_OP_TYPES and op_def_registry.get(node.op).is_stateful:
+            for node in function.cached_definition.node_def:
+                if _called_functions(node) or not (
+                        node.op in _READ_OP_TYPES or not op_def_registry.get(node.op).is_stateful):
+                    return False
+        return True
+
+    def assigned_meanwhile(self, loop):
+        """True if an op may assign a resource `loop` reads after the loop has run.
+
+        Harmless writers: variable initializers, writers the loop waits for, and
+        in a tf.function writers of the very handle the loop reads made before
+        it (tf.function orders those in program order when tracing ends). Any
+        other writer may run between the forward pass and the rerun (e.g. a
+        GAN step that updates one model before differentiating the other).
+        """
+        handles = _resources(loop.inputs)
+        if not handles:
             return False
-    return True
+        read = {self._find(t.name) for t in handles}
+        ordered = getattr(self._graph, "_add_control_dependencies", False)
+        for writer, written in self._writers:
+            if written is not None and not written & read:
+                continue
+            if writer is loop or writer in self._initializers:
+                continue
+            if ordered and writer._id < loop._id and {t.name for t in handles} & {  # pylint: disable=protected-access
+                    t.name for t in writer.inputs}:
+                continue
+            if loop not in self._waiting_for(writer):
+                return True
+        return False
 
+    # -- which handles may point to the same resource --
 
-def _assigned_meanwhile(loop):
-    """True if an op may assign a resource `loop` reads after the loop has run.
+    def _find(self, name):
+        root = self._group.setdefault(name, name)
+        while root != self._group[root]:
+            root = self._group[root]
+        self._group[name] = root
+        return root
 
-    Writers that run before the loop (its ancestors, e.g. through the control
-    edges tf.function adds between stateful ops in program order) and variable
-    initializers are harmless; any other writer may run between the forward
-    pass and the rerun (e.g. a GAN step that updates one model before
-    differentiating the other), and a rerun would read the new value.
-    """
-    handles = [t for t in loop.inputs if t.dtype == tf.resource]
-    writers = set()
-    while handles:
-        for consumer in handles.pop().consumers():
-            if consumer.type in _FORWARDING_OP_TYPES:
-                handles.extend(consumer.outputs)
-            elif consumer is not loop and _may_write(consumer):
-                writers.add(consumer)
-    writers -= _initializers(loop.graph)
-    return bool(writers) and not writers <= _ancestors(loop)
+    def _union(self, names):
+        roots = [self._find(n) for n in names]
+        for root in roots[1:]:
+            self._group[root] = roots[0]
 
+    def _group_handles(self, ops):
+        """Joins handles that may alias: what an op's resource outputs point to
+        may be any of its resource inputs (Identity, calls, If, While, Switch,
+        Enter...); VarHandleOps with one shared name are one variable; any two
+        resource arguments of a tf.function may be the same variable."""
+        by_shared_name = {}
+        arguments = []
+        captured = {id(t) for t in getattr(self._graph, "internal_captures", ())}
+        for op in ops:
+            outputs = [t.name for t in _resources(op.outputs)]
+            if not outputs:
+                continue
+            if op.type == "VarHandleOp":
+                key = (op.get_attr("container"), op.get_attr("shared_name") or op.name)
+                by_shared_name.setdefault(key, []).extend(outputs)
+            elif op.type == "Placeholder":
+                if id(op.outputs[0]) not in captured:
+                    arguments.extend(outputs)
+            else:
+                self._union(outputs + [t.name for t in _resources(op.inputs)])
+        for names in list(by_shared_name.values()) + [arguments]:
+            self._union(names)
 
-def _initializers(graph):
-    """The initializer ops of the graph's tf.compat.v1 variables."""
-    variables = (graph.get_collection("variables") + graph.get_collection("local_variables"))
-    return {v.initializer for v in variables if getattr(v, "initializer", None) is not None}
+    # -- who writes --
 
+    def _may_write(self, op):
+        """True if `op` may assign a variable (conservative)."""
+        op_def = op_def_registry.get(op.type)
+        if op_def is not None and (not op_def.is_stateful or op.type in _READ_OP_TYPES):
+            return False
+        names = _called_functions(op.node_def)
+        if names:
+            return not all(self._only_reads(name, set()) for name in names)
+        return bool(_resources(op.inputs)) or op.type in _PYTHON_OP_TYPES
 
-def _ancestors(op):
-    """Ops `op` waits for, through data and control edges."""
-    seen = set()
-    stack = [op]
-    while stack:
-        child = stack.pop()
-        for parent in [t.op for t in child.inputs] + list(child.control_inputs):
-            if parent not in seen:
-                seen.add(parent)
-                stack.append(parent)
-    return seen
+    def _only_reads(self, name, seen):
+        """True if function `name` and those it calls hold no stateful op but reads."""
+        if name in self._only_reads_memo:
+            return self._only_reads_memo[name]
+        if name in seen:
+            return True
+        seen.add(name)
+        function = _find_function(self._graph, name)
+        result = function is not None
+        for node in function.cached_definition.node_def if result else ():
+            called = _called_functions(node)
+            if called:
+                result = all(self._only_reads(n, seen) for n in called)
+            else:
+                result = node.op in _READ_OP_TYPES or not op_def_registry.get(node.op).is_stateful
+            if not result:
+                break
+        self._only_reads_memo[name] = result
+        return result
+
+    def _waiting_for(self, writer):
+        """Ops that run after `writer`: its descendants by data and control edges."""
+        if writer not in self._after:
+            after = set()
+            stack = [writer]
+            while stack:
+                op = stack.pop()
+                for child in [c for t in op.outputs for c in t.consumers()] + op._control_outputs:  # pylint: disable=protected-access
+                    if child not in after:
+                        after.add(child)
+                        stack.append(child)
+            self._after[writer] = after
+        return self._after[writer]

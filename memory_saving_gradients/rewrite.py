@@ -44,6 +44,10 @@ def backprop(model, plan, ys, xs, grad_ys, stop_gradients, tf_kwargs, unconnecte
     def gradients_to(sources, targets, seeds, stops, names=None):
         stops = stops + stop_gradients
         calls = {t.op for t in stops if _is_function_call(t.op)}
+        # A call at a stop is differentiated anyway, by SymbolicGradient, which
+        # fails at run time on a function holding a loop; left out of the
+        # stops it gets its registered gradient.
+        stops = [t for t in stops if t.op not in calls]
         first_new_op = len(graph.get_operations()) if calls else None
         # tf.compat.v1 TensorArray gradients meet in an accumulator named after
         # the gradient scope up to its last part starting with 'gradients'. A
@@ -232,7 +236,8 @@ def _is_function_call(op):
 
     tf.gradients (gradients_util._GradientsHelper) gives every function call
     (PartitionedCall, StatefulPartitionedCall, a graph function called by its
-    name) a gradient even when its outputs are in stop_gradients.
+    name) a gradient even when its outputs are in stop_gradients: a
+    SymbolicGradient op instead of the call's registered gradient.
     """
     return (op.type in ("PartitionedCall", "StatefulPartitionedCall")
             or op.graph._is_function(op.type))  # pylint: disable=protected-access

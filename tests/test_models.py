@@ -477,37 +477,83 @@ def test_loops_with_nested_functional_ops_are_kept(nested):
             np.testing.assert_allclose(ours, expected, rtol=1e-5, atol=1e-6)
 
 
-def _rnn_stack_with_assign(ctx, x, when):
-    """`_rnn_stack` with its first weight updated `when` ('before' the loops
-    run or 'after' them, before backprop, as in a GAN step)."""
+def _add_to_variable(w, how):
+    """Adds 0.1 to `w`, through a handle other than `w.handle` unless 'assign'."""
+    step = tf.fill(w.shape, 0.1)
+    if how == "assign":
+        return w.assign_add(step)
+    if how == "py_function":  # takes no handle at all
+        written = tf.py_function(
+            lambda: (w.assign_add(np.full(w.shape, 0.1, np.float32)), 0.0)[1], [], tf.float32)
+    elif how == "in_v1_cond":  # the handle reaches the write through a Switch
+        with control_flow_v1():
+            written = tf.compat.v1.cond(tf.reduce_sum(step) > 0,
+                                        lambda: w.assign_add(step).op, tf.no_op)
+    else:
+        if how == "handle_from_function":
+            handle = tf.function(lambda: w.handle, autograph=False)()
+        elif how == "handle_from_cond":
+            handle = tf.cond(tf.reduce_sum(step) > 0, lambda: tf.identity(w.handle),
+                             lambda: tf.identity(w.handle))
+        else:  # handle_through_loop
+            handle = tf.while_loop(lambda t, h: t < 1, lambda t, h: (t + 1, h), [0, w.handle])[1]
+        written = tf.raw_ops.AssignAddVariableOp(resource=handle, value=step)
+    with tf.control_dependencies([written]):
+        return w.read_value()
+
+
+def _rnn_stack_with_assign(ctx, x, when, how="assign"):
+    """`_rnn_stack` with 0.1 added to its first weight `when`: 'before' the
+    loops with a control dependency, 'in_program_order' before them without
+    one (a tf.function orders it), or 'after' them, before backprop (as in a
+    GAN step)."""
     w0 = ctx.variable("w0", _normal((x.shape[-1], 6), 0.5, seed=0))
-    update = w0.assign_add(tf.fill(w0.shape, 0.1)) if when == "before" else None
+    update = _add_to_variable(w0, how) if when != "after" else None
     # On the loops themselves: a Session runs a lowered loop's variable reads
     # as soon as the handle enters it, not after its data inputs.
-    with tf.control_dependencies([update] if update is not None else []):
+    with tf.control_dependencies([update] if when == "before" else []):
         model = _rnn_stack(ctx, x)
     if when == "after":
         with tf.control_dependencies(model.ys):  # in a Session, too, after the loops
-            update = w0.assign_add(tf.fill(w0.shape, 0.1))
+            update = _add_to_variable(w0, how)
     model.fetch["updated"] = update
     return model
 
 
-@pytest.mark.parametrize("when", ["before", "after"])
-def test_loops_reading_a_variable_assigned_before_backprop(runtime, when):
-    """A rerun would read the new value: a loop whose variable may be assigned
-    between the forward pass and backprop is kept; one assigned before the
-    loop ran (an ancestor of it) is rerun."""
-    outcome = gradients_vs_stock(runtime, lambda ctx, x: _rnn_stack_with_assign(ctx, x, when),
-                                 {"x": _normal((2, 5, 3))})
-    assert_matches_stock(outcome)
-    copied = _copied_loops(outcome)
-    assert len(copied) == (3 if when == "before" else 2)
-    # The loop of the updated weight is the first loop built.
+def _first_loop_copied(outcome):
+    """True if the loop reading the first weight (the first loop built) was rerun."""
     first_loop = min((op for op in outcome.graph.get_operations()
                       if op.type in ("While", "StatelessWhile") and op.name in outcome.forward_ops),
                      key=lambda op: op._id)  # pylint: disable=protected-access
-    assert (first_loop.name in copied) == (when == "before")
+    return first_loop.name in _copied_loops(outcome)
+
+
+@pytest.mark.parametrize("when", ["before", "in_program_order", "after"])
+def test_loops_reading_a_variable_assigned_before_backprop(runtime, when):
+    """A rerun would read the new value: a loop whose variable may be assigned
+    between the forward pass and backprop is kept; one assigned before the
+    loop ran is rerun."""
+    if runtime == "session" and when == "in_program_order":
+        pytest.skip("a Session runs unordered ops in any order")
+    outcome = gradients_vs_stock(runtime, lambda ctx, x: _rnn_stack_with_assign(ctx, x, when),
+                                 {"x": _normal((2, 5, 3))})
+    assert_matches_stock(outcome)
+    assert len(_copied_loops(outcome)) == (3 if when != "after" else 2)
+    assert _first_loop_copied(outcome) == (when != "after")
+
+
+@pytest.mark.parametrize("runtime,how", [
+    (runtime, how) for runtime in ("session", "function")
+    for how in ("handle_from_function", "handle_from_cond", "handle_through_loop")] + [
+    ("session", "in_v1_cond"), ("function", "py_function")])
+def test_loops_reading_a_variable_written_through_another_handle(runtime, how):
+    """Any handle that may point to the loop's variable counts, and so does
+    Python, which needs none."""
+    outcome = gradients_vs_stock(
+        runtime, lambda ctx, x: _rnn_stack_with_assign(ctx, x, "after", how),
+        {"x": _normal((2, 5, 3))})
+    assert_matches_stock(outcome)
+    assert not _first_loop_copied(outcome)
 
 
 @pytest.mark.parametrize("flavour", ["v1", "v2"])
@@ -725,11 +771,16 @@ def test_custom_gradient(runtime):
     assert_matches_stock(outcome)
 
 
-def test_nested_tf_function_call(runtime):
+@pytest.mark.parametrize("body", ["dense", "loop"])
+def test_nested_tf_function_call(runtime, body):
     """Calls of a tf.function inside the model: tf.gradients differentiates them
-    even when told to stop at their outputs, and no gradient may count twice."""
+    even when told to stop at their outputs (by a SymbolicGradient op, which
+    fails at run time on a loop), and no gradient may count twice."""
     @tf.function(autograph=False)
     def block(h, w):
+        if body == "loop":
+            h = tf.while_loop(lambda t, h: t < 2, lambda t, h: (t + 1, tf.sin(h)), [0, h],
+                              maximum_iterations=2)[1]
         return tf.tanh(tf.matmul(h, w)) * 1.5
 
     def build(ctx, x):
