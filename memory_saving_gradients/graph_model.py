@@ -148,7 +148,8 @@ def data_tensors(graph):
     """Names of the tensors of `graph` that carry per-example data.
 
     Those are the tensors a data input reaches through ops, not counting
-    resource or variant tensors (variable handles, loop state). Found by one
+    resource tensors (variable handles). Variants count: a TensorList made
+    from the input (as Keras' RNNs feed a loop) carries its data. Found by one
     forward search from the data inputs, linear in the graph size; searching
     forward (not memoising a backward walk) stays correct on tf.compat.v1
     while loops, whose NextIteration -> Merge back edges make the graph cyclic.
@@ -157,7 +158,7 @@ def data_tensors(graph):
     stack = [op for op in graph.get_operations() if op.type in DATA_SOURCE_OP_TYPES]
     while stack:
         for t in stack.pop().outputs:
-            if t.name not in data and t.dtype.base_dtype not in (tf.resource, tf.variant):
+            if t.name not in data and t.dtype.base_dtype != tf.resource:
                 data.add(t.name)
                 stack.extend(t.consumers())
     return data

@@ -42,12 +42,11 @@ def backprop(model, plan, ys, xs, grad_ys, stop_gradients, tf_kwargs, unconnecte
     passed = {}  # tensor name -> partial gradients already sent through its op
 
     def gradients_to(sources, targets, seeds, stops, names=None):
-        stops = stops + stop_gradients
-        calls = {t.op for t in stops if _is_function_call(t.op)}
+        calls = {t.op for t in stops + stop_gradients if _is_function_call(t.op)}
         # A call at a stop is differentiated anyway, by SymbolicGradient, which
-        # fails at run time on a function holding a loop; left out of the
-        # stops it gets its registered gradient.
-        stops = [t for t in stops if t.op not in calls]
+        # fails at run time on a function holding a loop; left out of our
+        # stops it gets its registered gradient. The user's stops stay as given.
+        stops = [t for t in stops if t.op not in calls] + stop_gradients
         first_new_op = len(graph.get_operations()) if calls else None
         # tf.compat.v1 TensorArray gradients meet in an accumulator named after
         # the gradient scope up to its last part starting with 'gradients'. A
