@@ -45,6 +45,7 @@ DATA_SOURCE_OP_TYPES = frozenset({
 
 _OPAQUE_DTYPES = (tf.resource, tf.variant, tf.string)
 
+
 @dataclasses.dataclass(frozen=True)
 class GraphModel:
     """The forward region between xs and ys, as plain data.

@@ -56,6 +56,11 @@ def _called_functions(node):
     return names
 
 
+def _stateless_or_read(op_type):
+    """True if a registered op type has no side effect beyond reading a variable."""
+    return op_type in _READ_OP_TYPES or not op_def_registry.get(op_type).is_stateful
+
+
 def _resources(tensors):
     return [t for t in tensors if t.dtype == tf.resource]
 
@@ -69,8 +74,9 @@ class _GraphState:
         self._after = {}  # writer -> the ops that wait for it
         self._group = {}  # handle tensor name -> a representative (union-find)
         self._writers = []  # (op, group representatives it may write, or None for any)
-        self._group_handles(graph.get_operations())
-        for op in graph.get_operations():
+        ops = graph.get_operations()
+        self._group_handles(ops)
+        for op in ops:
             if op.type not in LOOP_OP_TYPES and self._may_write(op):
                 handles = _resources(op.inputs)
                 # Without a handle input, only Python or a function may find a
@@ -87,8 +93,7 @@ class _GraphState:
             if function is None:
                 return False
             for node in function.cached_definition.node_def:
-                if _called_functions(node) or not (
-                        node.op in _READ_OP_TYPES or not op_def_registry.get(node.op).is_stateful):
+                if _called_functions(node) or not _stateless_or_read(node.op):
                     return False
         return True
 
@@ -104,15 +109,16 @@ class _GraphState:
         handles = _resources(loop.inputs)
         if not handles:
             return False
-        read = {self._find(t.name) for t in handles}
+        names = {t.name for t in handles}
+        read = {self._find(n) for n in names}
         ordered = getattr(self._graph, "_add_control_dependencies", False)
         for writer, written in self._writers:
             if written is not None and not written & read:
                 continue
             if writer is loop or writer in self._initializers:
                 continue
-            if ordered and writer._id < loop._id and {t.name for t in handles} & {  # pylint: disable=protected-access
-                    t.name for t in writer.inputs}:
+            if (ordered and writer._id < loop._id  # pylint: disable=protected-access
+                    and names & {t.name for t in writer.inputs}):
                 continue
             if loop not in self._waiting_for(writer):
                 return True
@@ -159,8 +165,7 @@ class _GraphState:
 
     def _may_write(self, op):
         """True if `op` may assign a variable (conservative)."""
-        op_def = op_def_registry.get(op.type)
-        if op_def is not None and (not op_def.is_stateful or op.type in _READ_OP_TYPES):
+        if op_def_registry.get(op.type) is not None and _stateless_or_read(op.type):
             return False
         names = _called_functions(op.node_def)
         if names:
@@ -181,7 +186,7 @@ class _GraphState:
             if called:
                 result = all(self._only_reads(n, seen) for n in called)
             else:
-                result = node.op in _READ_OP_TYPES or not op_def_registry.get(node.op).is_stateful
+                result = _stateless_or_read(node.op)
             if not result:
                 break
         self._only_reads_memo[name] = result

@@ -362,14 +362,17 @@ def _rnn_stack(ctx, x, layers=3, in_body=None):
 
 
 def _copied_loops(outcome):
-    """Names of the forward loops that were copied: a copy is named
+    return _copied_forward_loops(outcome.graph, outcome.forward_ops)
+
+
+def _copied_forward_loops(graph, forward_ops):
+    """Names of the loops among `forward_ops` that were copied: a copy is named
     '<scope>/recompute_<level>/<forward op name>'. (recompute_copies misses
     them: differentiating a loop changes its attributes.)"""
     copied = set()
-    for op in outcome.graph.get_operations():
+    for op in graph.get_operations():
         match = re.search(r"/recompute_\d+/(.+)$", op.name)
-        if op.type in ("While", "StatelessWhile") and match and (
-                match.group(1) in outcome.forward_ops):
+        if op.type in ("While", "StatelessWhile") and match and match.group(1) in forward_ops:
             copied.add(match.group(1))
     return copied
 
@@ -467,9 +470,8 @@ def test_loops_with_nested_functional_ops_are_kept(nested):
                     else msg.gradients(ys, xs, checkpoints=kind) for kind in kinds]
         step = tf.function(step, autograph=False)
         graph = step.get_concrete_function(x).graph
-        copies = [op.name for op in graph.get_operations()
-                  if op.type in ("While", "StatelessWhile") and "/recompute_" in op.name
-                  and "_grad" not in op.name]
+        assert "while" in {op.name for op in graph.get_operations()}  # the forward loop
+        copies = _copied_forward_loops(graph, {"while"})
         return [[g.numpy() for g in grads] for grads in step(x)], copies
 
     (stock,), _ = run("stock")
