@@ -13,9 +13,9 @@ from memory_saving_gradients.api import gradients_speed
 from memory_saving_gradients.measure import enable_cpu_allocator_stats
 from memory_saving_gradients.measure import function_peak_bytes
 from memory_saving_gradients.measure import session_peak_bytes
-from memory_saving_gradients.patching import checkpointing
-from memory_saving_gradients.patching import patch_tf_gradients
-from memory_saving_gradients.patching import unpatch_tf_gradients
+from memory_saving_gradients.integrations.patching import checkpointing
+from memory_saving_gradients.integrations.patching import patch_tf_gradients
+from memory_saving_gradients.integrations.patching import unpatch_tf_gradients
 
 __all__ = [
     "CheckpointPlan", "checkpoint_plan", "checkpointing", "enable_cpu_allocator_stats",

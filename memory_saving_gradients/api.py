@@ -10,11 +10,11 @@ import logging
 
 import tensorflow as tf
 
-from memory_saving_gradients import graph_model
-from memory_saving_gradients import planning
-from memory_saving_gradients import rewrite
-from memory_saving_gradients import selection
-from memory_saving_gradients import simulation
+from memory_saving_gradients.tfgraph import reading
+from memory_saving_gradients.core import planning
+from memory_saving_gradients.tfgraph import rewrite
+from memory_saving_gradients.core import strategies
+from memory_saving_gradients.core import simulation
 
 logger = logging.getLogger("memory_saving_gradients")
 
@@ -47,7 +47,7 @@ class CheckpointPlan:
     estimate: simulation.Estimate
     notes: tuple
     plan: planning.Plan = dataclasses.field(repr=False)
-    model: graph_model.GraphModel = dataclasses.field(repr=False)
+    model: reading.GraphModel = dataclasses.field(repr=False)
 
     def __str__(self):
         est = self.estimate
@@ -134,7 +134,7 @@ def checkpoint_plan(ys, xs, checkpoints="memory"):
 
 
 def _plan(ys, xs, checkpoints):
-    model = graph_model.build_model(ys, xs)
+    model = reading.build_model(ys, xs)
     mode, chosen = _select(model, ys, xs, checkpoints)
     plan = planning.make_plan(model, chosen.names, mode, chosen.notes)
     graph = ys[0].graph
@@ -156,8 +156,8 @@ def _select(model, ys, xs, checkpoints):
     """Runs the selection strategy `checkpoints` names; returns (mode, Selection)."""
     graph = ys[0].graph
     if isinstance(checkpoints, str):
-        if checkpoints in selection.STRATEGIES:
-            return checkpoints, selection.STRATEGIES[checkpoints](model)
+        if checkpoints in strategies.STRATEGIES:
+            return checkpoints, strategies.STRATEGIES[checkpoints](model)
         if checkpoints == "collection":
             found = [t for t in graph.get_collection(COLLECTION)
                      if isinstance(t, tf.Tensor) and t.graph is graph]
@@ -167,21 +167,21 @@ def _select(model, ys, xs, checkpoints):
                                "tensors with tf.compat.v1.add_to_collection(%r, t).",
                                COLLECTION, COLLECTION)
             # Tensors elsewhere in the graph may be meant for other gradients calls.
-            return "collection", selection.explicit(model, [t.name for t in found])
+            return "collection", strategies.explicit(model, [t.name for t in found])
         raise ValueError(f"unknown checkpoints mode {checkpoints!r}: use one of "
                          f"{', '.join(map(repr, MODES))} or a list of tensors")
     tensors = _as_tensors(checkpoints, "checkpoints")
     _check_same_graph(tensors, graph, "checkpoints")
     x_names = {x.name for x in xs}
     for t in tensors:
-        if graph_model.in_v1_control_flow(t.op, output=True):
+        if reading.in_v1_control_flow(t.op, output=True):
             raise ValueError(f"checkpoint {t.name} is inside a tf.while_loop or tf.cond "
                              f"body; checkpoint the loop's or cond's outputs instead")
         if t.name not in model.region and t.name not in x_names:
             raise ValueError(f"checkpoint {t.name} is not between xs and ys: it does not "
                              f"depend on any x or no y depends on it; pass tensors on "
                              f"the path from xs to ys")
-    return "list", selection.explicit(model, [t.name for t in tensors])
+    return "list", strategies.explicit(model, [t.name for t in tensors])
 
 
 def _normalise(ys, xs, grad_ys):

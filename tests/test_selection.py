@@ -5,10 +5,10 @@ import logging
 import networkx as nx
 import pytest
 
-from memory_saving_gradients import graph_model
-from memory_saving_gradients import planning
-from memory_saving_gradients import selection
-from memory_saving_gradients import simulation
+from memory_saving_gradients.tfgraph import reading
+from memory_saving_gradients.core import planning
+from memory_saving_gradients.core import strategies
+from memory_saving_gradients.core import simulation
 
 
 def make_model(edges, ys, op_types=None, pinned=(), unrecomputable=(), size=100):
@@ -20,7 +20,7 @@ def make_model(edges, ys, op_types=None, pinned=(), unrecomputable=(), size=100)
         graph.nodes[n].update(op=n, op_type=op_types.get(n, "Tanh"), bytes=size,
                               cost=size, recomputable=n not in unrecomputable, float=True)
     order = tuple(nx.lexicographical_topological_sort(graph))
-    return graph_model.GraphModel(
+    return reading.GraphModel(
         graph=graph, order=order, pinned=frozenset(pinned), ys=tuple(ys),
         op_outputs={n: (n,) for n in graph}, other_bytes=0,
         region=frozenset(graph), num_region_ops=len(graph))
@@ -42,12 +42,12 @@ def residual_model(n):
 
 def test_bottlenecks_of_a_chain_are_its_interior():
     model, names = chain_model(6)
-    assert selection.bottlenecks(model) == names[:-1]
+    assert strategies.bottlenecks(model) == names[:-1]
 
 
 def test_bottlenecks_of_residual_chain_skip_the_branches():
     model, n = residual_model(5)
-    found = selection.bottlenecks(model)
+    found = strategies.bottlenecks(model)
     assert found == [f"x{k:03d}" for k in range(n)]
 
 
@@ -56,12 +56,12 @@ def test_no_bottleneck_in_parallel_paths():
     edges = [("a0", "a1"), ("a1", "a2"), ("b0", "b1"), ("b1", "b2"),
              ("a2", "y"), ("b2", "y")]
     model = make_model(edges, ["y"])
-    assert selection.bottlenecks(model) == []
+    assert strategies.bottlenecks(model) == []
 
 
 def test_memory_on_chain_keeps_about_sqrt_n_evenly_spaced():
     model, names = chain_model(100)
-    chosen = selection.memory(model).names
+    chosen = strategies.memory(model).names
     assert 6 <= len(chosen) <= 16
     gaps = sorted(names.index(c) for c in chosen)
     spacing = [b - a for a, b in zip(gaps, gaps[1:])]
@@ -75,7 +75,7 @@ def test_memory_falls_back_to_separators_and_warns(caplog):
         towers += list(zip(names, names[1:])) + [(names[-1], "y")]
     model = make_model(towers, ["y"])
     with caplog.at_level(logging.WARNING):
-        picked = selection.memory(model)
+        picked = strategies.memory(model)
     assert picked.names and picked.notes
     assert "no usable single-tensor bottleneck" in caplog.text
     plan = planning.make_plan(model, picked.names, "memory")
@@ -90,7 +90,7 @@ def test_speed_keeps_expensive_outputs_and_bounds_residual_streams():
         edges += [(x, m), (m, r), (x, nxt), (r, nxt)]
         types[m] = "MatMul"
     model = make_model(edges, ["x6"], op_types=types)
-    chosen = selection.speed(model).names
+    chosen = strategies.speed(model).names
     assert {f"m{k}" for k in range(6)} <= chosen
     assert not any(n.startswith("r") for n in chosen), "cheap relus should be recomputed"
     plan = planning.make_plan(model, chosen, "speed")
@@ -129,7 +129,7 @@ def test_segment_of_root_fed_by_checkpoints_is_the_root_alone():
 @pytest.mark.parametrize("n", [16, 64, 256])
 def test_simulated_memory_shrinks_like_sqrt_n(n):
     model, _ = chain_model(n)
-    plan = planning.make_plan(model, selection.memory(model).names, "memory")
+    plan = planning.make_plan(model, strategies.memory(model).names, "memory")
     est = simulation.estimate(model, plan)
     assert est.baseline_bytes == n * 100
     assert est.peak_bytes <= 2.5 * (n ** 0.5) * 100

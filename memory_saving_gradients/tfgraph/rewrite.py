@@ -18,7 +18,7 @@ from tensorflow.python.ops import control_flow_util_v2
 from tensorflow.python.ops import default_gradient
 from tensorflow.python.ops import gradients_impl
 
-from memory_saving_gradients import loops
+from memory_saving_gradients.tfgraph import loops
 
 # Captured at import so that patching tf.gradients never makes us call ourselves.
 _stock_gradients = gradients_impl.gradients

@@ -1,6 +1,6 @@
 """Demo: train a deep ResNet for a few steps with tf.gradients and with checkpointing.
 
-    python -m memory_saving_gradients.demo [--blocks 24] [--batch 32] [--steps 5]
+    python -m examples.demo [--blocks 24] [--batch 32] [--steps 5]
 
 Builds a CIFAR-style residual network from Keras layers (convolutions, batch
 norm, ReLU) on synthetic 32x32x3 images, trains it inside tf.function with an

@@ -18,8 +18,8 @@ import math
 
 import networkx as nx
 
-from memory_saving_gradients import planning
-from memory_saving_gradients import simulation
+from memory_saving_gradients.core import planning
+from memory_saving_gradients.core import simulation
 
 logger = logging.getLogger(__name__)
 

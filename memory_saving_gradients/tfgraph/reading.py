@@ -26,7 +26,7 @@ import networkx as nx
 import tensorflow as tf
 from tensorflow.python.ops import control_flow_util
 
-from memory_saving_gradients import loops
+from memory_saving_gradients.tfgraph import loops
 
 # Ops whose copies would not behave like the original (or could not be
 # differentiated when copied): their outputs are kept instead of recomputed.

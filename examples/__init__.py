@@ -1,0 +1,1 @@
+"""Runnable examples; `python -m examples.demo` from the repository root."""

@@ -1,0 +1,2 @@
+"""The ways in: patching tf.gradients, and hooks into the frameworks users train with.
+"""
