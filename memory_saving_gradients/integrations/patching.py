@@ -16,7 +16,7 @@ import tensorflow as tf
 from memory_saving_gradients import api
 
 _TARGETS = ((tf, "gradients"), (tf.compat.v1, "gradients"))
-_saved = []  # stack of the functions each patch replaced, for nesting
+_saved = []  # stack of (checkpoints, the functions it replaced), for nesting
 
 
 def patch_tf_gradients(checkpoints="memory"):
@@ -30,7 +30,7 @@ def patch_tf_gradients(checkpoints="memory"):
                          f"{', '.join(map(repr, api.MODES))} or a list of tensors")
     replacement = tf.autograph.experimental.do_not_convert(
         functools.partial(api.gradients, checkpoints=checkpoints))
-    _saved.append([getattr(module, name) for module, name in _TARGETS])
+    _saved.append((checkpoints, [getattr(module, name) for module, name in _TARGETS]))
     for module, name in _TARGETS:
         setattr(module, name, replacement)
 
@@ -40,8 +40,16 @@ def unpatch_tf_gradients():
     if not _saved:
         raise RuntimeError("tf.gradients is not patched by memory_saving_gradients; "
                            "call patch_tf_gradients() first")
-    for (module, name), original in zip(_TARGETS, _saved.pop()):
+    for (module, name), original in zip(_TARGETS, _saved.pop()[1]):
         setattr(module, name, original)
+
+
+def active_checkpoints():
+    """The `checkpoints` value of the innermost patch in force, or None if unpatched.
+
+    Integrations (tape, Keras) read it to know whether, and how, to checkpoint.
+    """
+    return _saved[-1][0] if _saved else None
 
 
 @contextlib.contextmanager
