@@ -19,6 +19,8 @@ Anything else is kept, as any stateful op is.
 import tensorflow as tf
 from tensorflow.python.framework import op_def_registry
 
+from memory_saving_gradients.tfgraph import effects
+
 LOOP_OP_TYPES = frozenset({"While", "StatelessWhile"})
 
 # Stateful ops that only read a variable: rerunning them gives the same value
@@ -57,8 +59,8 @@ def _called_functions(node):
 
 
 def _stateless_or_read(op_type):
-    """True if a registered op type has no side effect beyond reading a variable."""
-    return op_type in _READ_OP_TYPES or not op_def_registry.get(op_type).is_stateful
+    """True if a registered op type reruns identically or only reads a variable."""
+    return op_type in _READ_OP_TYPES or effects.reruns_identically(op_def_registry.get(op_type))
 
 
 def _resources(tensors):

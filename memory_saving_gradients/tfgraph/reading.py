@@ -11,7 +11,7 @@ Vocabulary used across the package:
   are checkpointed or recomputed; tensors that depend only on xs (variable
   reads, casts of weights) are parameter-sized and always kept.
 * recomputable: an op that may be copied and rerun. Stateful ops (random ops,
-  variable reads), control flow and function calls are not: their outputs and
+  variable reads), seeded ops (effects.py), control flow and function calls are not: their outputs and
   activation inputs are pinned as checkpoints instead. The exception is a
   tf.function-style (v2) while loop whose body only reads variables that
   nothing assigns meanwhile (`loops.rerunnable_loops`): rerunning it late
@@ -26,6 +26,7 @@ import networkx as nx
 import tensorflow as tf
 from tensorflow.python.ops import control_flow_util
 
+from memory_saving_gradients.tfgraph import effects
 from memory_saving_gradients.tfgraph import loops
 
 # Ops whose copies would not behave like the original (or could not be
@@ -96,8 +97,8 @@ def is_recomputable(op, rerunnable_loops=frozenset()):
         return False  # inside a tf.compat.v1 while/cond body
     if op.type in loops.LOOP_OP_TYPES:
         return op in rerunnable_loops
-    if op.type in CONTROL_FLOW_OP_TYPES or op.op_def.is_stateful:
-        return False
+    if op.type in CONTROL_FLOW_OP_TYPES or not effects.reruns_identically(op.op_def):
+        return False  # side effects, hidden state or random draws (effects.py)
     if op.graph._is_function(op.type):  # pylint: disable=protected-access
         return False  # call of a graph function by its own op type
     tensors = list(op.inputs) + list(op.outputs)
