@@ -45,6 +45,8 @@ DATA_SOURCE_OP_TYPES = frozenset({
 })
 
 _OPAQUE_DTYPES = (tf.resource, tf.variant, tf.string)
+# Sources of the back edges of tf.compat.v1 while loops.
+_BACK_EDGE_OP_TYPES = frozenset({"NextIteration", "RefNextIteration"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,8 +171,7 @@ def data_tensors(graph):
 def region_ops(ys, xs):
     """Ops that depend on some x and that some y depends on, in topological order.
 
-    Linear in the size of the graph. Ops are created after their inputs, so op
-    creation order is topological (loop back edges aside, which we never copy).
+    Linear in the size of the graph.
     """
     reached = set()
     stack = [c for x in xs for c in x.consumers()]
@@ -186,7 +187,34 @@ def region_ops(ys, xs):
         if op in reached and op not in between:
             between.add(op)
             stack.extend(i.op for i in op.inputs)
-    return sorted(between, key=lambda op: op._id)  # pylint: disable=protected-access
+    return topological_order(between)
+
+
+def topological_order(ops):
+    """`ops` ordered so that each comes after the ops among them it reads.
+
+    Creation order almost is one, but not in tf.compat.v1 conds: an op in a
+    branch is made before the Switch that feeds it. So a depth-first search
+    over data edges puts inputs first, visiting ops in creation order (which
+    it keeps where it is topological already). The back edges of
+    tf.compat.v1 while loops (NextIteration -> Merge) are not followed.
+    Linear in the number of ops and edges.
+    """
+    done = set()
+    order = []
+    for root in sorted(ops, key=lambda op: op._id):  # pylint: disable=protected-access
+        stack = [(root, False)]
+        while stack:
+            op, inputs_done = stack.pop()
+            if inputs_done:
+                order.append(op)
+            elif op not in done:
+                done.add(op)
+                stack.append((op, True))
+                stack.extend((i.op, False) for i in reversed(op.inputs)
+                             if i.op in ops and i.op not in done
+                             and i.op.type not in _BACK_EDGE_OP_TYPES)
+    return order
 
 
 def _outermost_while_loop(op):

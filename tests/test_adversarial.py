@@ -1,0 +1,35 @@
+"""Regressions from adversarial testing (issue 14): each case once gave other
+gradients than tf.gradients, or crashed where tf.gradients works."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from conftest import Model
+from conftest import assert_matches_stock
+from conftest import control_flow_v1
+from conftest import gradients_vs_stock
+
+
+def _normal(shape, scale=1.0, seed=0):
+    return (np.random.RandomState(seed).randn(*shape) * scale).astype(np.float32)
+
+
+@pytest.mark.parametrize("take_true", [True, False])
+def test_v1_cond_with_an_x_downstream(take_true):
+    """v1 cond ops are created before the Switch ops feeding them: the model
+    must follow data edges, not creation order (else the cond's outputs count
+    as weights and the x after it gets its gradient twice)."""
+    def build(ctx, x, pred):
+        w = ctx.variable("w", _normal((4, 4), 0.5, seed=1))
+        h = tf.tanh(tf.matmul(x, w))
+        branch = tf.cond(pred, lambda: tf.tanh(h) * 2.0, lambda: tf.sigmoid(h) * 3.0)
+        after = tf.tanh(branch * 1.5)
+        y = tf.reduce_sum(tf.tanh(after) * after)
+        return Model(ys=[y], xs=[x, w, after, branch],
+                     lists={"after_cond": [after], "none": []})
+
+    with control_flow_v1():
+        outcome = gradients_vs_stock("session", build, {
+            "x": _normal((3, 4)), "pred": np.array(take_true)})
+    assert_matches_stock(outcome)
