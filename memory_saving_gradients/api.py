@@ -93,8 +93,9 @@ def gradients(ys, xs, grad_ys=None, checkpoints="collection", **kwargs):
                         f"{sorted(_TF_GRADIENTS_ARGS)}")
     ys, xs, grad_ys = _normalise(ys, xs, grad_ys)
     tf_kwargs = dict(kwargs)
-    stops = _as_tensors(tf_kwargs.pop("stop_gradients", None) or [], "stop_gradients")
-    unconnected = tf.UnconnectedGradients(
+    stops = tf_kwargs.pop("stop_gradients", None)
+    stops = [] if stops is None else _as_tensors(stops, "stop_gradients")
+    unconnected = _unconnected_gradients(
         tf_kwargs.pop("unconnected_gradients", tf.UnconnectedGradients.NONE))
     name = tf_kwargs.pop("name", None) or "gradients"
     report = _plan(ys, xs, checkpoints)
@@ -155,6 +156,7 @@ def _plan(ys, xs, checkpoints):
 def _select(model, ys, xs, checkpoints):
     """Runs the selection strategy `checkpoints` names; returns (mode, Selection)."""
     graph = ys[0].graph
+    check_checkpoints(checkpoints)
     if isinstance(checkpoints, str):
         if checkpoints in strategies.STRATEGIES:
             return checkpoints, strategies.STRATEGIES[checkpoints](model)
@@ -168,8 +170,6 @@ def _select(model, ys, xs, checkpoints):
                                COLLECTION, COLLECTION)
             # Tensors elsewhere in the graph may be meant for other gradients calls.
             return "collection", strategies.explicit(model, [t.name for t in found])
-        raise ValueError(f"unknown checkpoints mode {checkpoints!r}: use one of "
-                         f"{', '.join(map(repr, MODES))} or a list of tensors")
     tensors = _as_tensors(checkpoints, "checkpoints")
     _check_same_graph(tensors, graph, "checkpoints")
     x_names = {x.name for x in xs}
@@ -182,6 +182,27 @@ def _select(model, ys, xs, checkpoints):
                              f"depend on any x or no y depends on it; pass tensors on "
                              f"the path from xs to ys")
     return "list", strategies.explicit(model, [t.name for t in tensors])
+
+
+def check_checkpoints(checkpoints):
+    """Raises if `checkpoints` is neither a mode name nor a list of graph tensors."""
+    if isinstance(checkpoints, str):
+        if checkpoints not in MODES:
+            raise ValueError(f"unknown checkpoints mode {checkpoints!r}: use one of "
+                             f"{', '.join(map(repr, MODES))} or a list of tensors")
+    elif checkpoints is None or isinstance(checkpoints, (tf.Tensor, tf.Variable)):
+        raise TypeError(f"checkpoints must be one of {', '.join(map(repr, MODES))} or a "
+                        f"list of tensors, got {checkpoints!r}")
+    else:
+        _as_tensors(checkpoints, "checkpoints")
+
+
+def _unconnected_gradients(value):
+    try:
+        return tf.UnconnectedGradients(value)
+    except ValueError:
+        raise ValueError(f"unconnected_gradients={value!r} is not valid: use 'none' or "
+                         f"'zero' (tf.UnconnectedGradients.NONE or .ZERO)") from None
 
 
 def _normalise(ys, xs, grad_ys):
@@ -202,12 +223,56 @@ def _normalise(ys, xs, grad_ys):
     _check_same_graph(ys, graph, "ys")
     _check_same_graph(xs, graph, "xs")
     if grad_ys is not None:
-        grad_ys = _as_tensors(grad_ys, "grad_ys", allow_none=True)
-        if len(grad_ys) != len(ys):
-            raise ValueError(f"grad_ys has {len(grad_ys)} entries but ys has {len(ys)}; "
-                             f"pass one gradient (or None) per y")
+        grad_ys = _grad_ys(grad_ys, ys)
         _check_same_graph([g for g in grad_ys if g is not None], graph, "grad_ys")
     return ys, xs, grad_ys
+
+
+def _grad_ys(grad_ys, ys):
+    """One seed (or None) per y, of its dtype and a shape compatible with it.
+
+    Python numbers, lists and numpy arrays become constants of the y's dtype,
+    as tf.gradients accepts them. A seed of another shape is refused even
+    where broadcasting would run: a transposed seed is never what was meant.
+    """
+    if not isinstance(grad_ys, (list, tuple)):
+        grad_ys = [grad_ys]
+    if len(grad_ys) != len(ys):
+        raise ValueError(f"grad_ys has {len(grad_ys)} entries but ys has {len(ys)}; "
+                         f"pass one gradient (or None) per y")
+    seeds = []
+    for i, (seed, y) in enumerate(zip(grad_ys, ys)):
+        where = f"grad_ys[{i}]"
+        if seed is not None and not isinstance(seed, tf.IndexedSlices):
+            if _is_tensor_like(seed):
+                seed = _as_tensors(seed, where, allow_variables=True)[0]
+            else:
+                seed = _constant_like(seed, y, where)
+            _check_seed(seed, y, where)
+        seeds.append(seed)
+    return seeds
+
+
+def _is_tensor_like(value):
+    return (isinstance(value, tf.Variable) or isinstance(getattr(value, "value", None), tf.Variable)
+            or tf.is_symbolic_tensor(value))
+
+
+def _constant_like(value, y, where):
+    try:
+        return tf.constant(value, dtype=y.dtype)
+    except (TypeError, ValueError) as error:
+        raise TypeError(f"{where} cannot be made a {y.dtype.name} tensor for y "
+                        f"{y.name}: {error}") from None
+
+
+def _check_seed(seed, y, where):
+    if seed.dtype.base_dtype != y.dtype.base_dtype:
+        raise TypeError(f"{where} has dtype {seed.dtype.name} but y {y.name} has "
+                        f"{y.dtype.name}; cast it: tf.cast({where}, tf.{y.dtype.name})")
+    if not seed.shape.is_compatible_with(y.shape):
+        raise ValueError(f"{where} has shape {seed.shape} but y {y.name} has shape "
+                         f"{y.shape}; pass a gradient shaped like its y")
 
 
 def _as_tensors(values, what, allow_variables=False, allow_none=False):

@@ -23,11 +23,10 @@ def patch_tf_gradients(checkpoints="memory"):
     """Makes tf.gradients and tf.compat.v1.gradients checkpoint with `checkpoints`.
 
     `checkpoints` is any value `gradients` accepts ('memory', 'speed',
-    'collection' or a list of tensors). Undo with `unpatch_tf_gradients()`.
+    'collection' or a list of tensors), checked now: a bad one would make
+    every later tf.gradients call fail. Undo with `unpatch_tf_gradients()`.
     """
-    if isinstance(checkpoints, str) and checkpoints not in api.MODES:
-        raise ValueError(f"unknown checkpoints mode {checkpoints!r}: use one of "
-                         f"{', '.join(map(repr, api.MODES))} or a list of tensors")
+    api.check_checkpoints(checkpoints)
     replacement = tf.autograph.experimental.do_not_convert(
         functools.partial(api.gradients, checkpoints=checkpoints))
     _saved.append((checkpoints, [getattr(module, name) for module, name in _TARGETS]))
