@@ -33,3 +33,20 @@ def test_v1_cond_with_an_x_downstream(take_true):
         outcome = gradients_vs_stock("session", build, {
             "x": _normal((3, 4)), "pred": np.array(take_true)})
     assert_matches_stock(outcome)
+
+
+def test_integer_shape_checkpoint_stays_a_compile_time_constant_under_xla():
+    """Under jit_compile a stub reading a gradient makes copies wait; on an
+    integer shape tensor it would stop being a compile-time constant."""
+    def build(ctx, x):
+        w = ctx.variable("w", _normal((6, 6), 0.5, seed=1))
+        shape = tf.shape(tf.tanh(x))
+        h = tf.tanh(tf.matmul(x, w))
+        folded = tf.reshape(tf.sin(h), tf.stack([shape[0], 3, 2]))
+        out = tf.reshape(tf.tanh(folded), tf.shape(h))
+        y = tf.reduce_sum(tf.tanh(tf.matmul(out, w)) * out)
+        return Model(ys=[y], xs=[x, w], lists={"shape_and_h": [shape, h]})
+
+    outcome = gradients_vs_stock("xla", build, {"x": _normal((4, 6))},
+                                 shapes={"x": (None, 6)})
+    assert_matches_stock(outcome)

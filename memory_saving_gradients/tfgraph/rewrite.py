@@ -143,13 +143,15 @@ class _Leaves:
         `arrived` are the numeric gradients reaching the level. XLA (jit_compile)
         drops the control inputs that make copies wait for them, then runs
         the copies early or merges them with their originals (CSE, even
-        through optimization barriers on CPU). So under XLA the stub also
-        reads one of those gradients: a data dependency XLA must respect.
+        through optimization barriers on CPU). So under XLA the stub of a
+        float tensor also reads one of those gradients: a data dependency XLA
+        must respect. Integer tensors (shapes, indices) get none: they are
+        small, and XLA needs shapes as compile-time constants.
         """
         if not self.wanted(tensor.name):
             return tensor
         if tensor.name not in stubs:
-            if self._xla and arrived and _addable(tensor.dtype):
+            if self._xla and arrived and (tensor.dtype.is_floating or tensor.dtype.is_complex):
                 stub = _after(tensor, arrived[0])
             else:
                 stub = tf.identity(tensor)
