@@ -9,6 +9,8 @@ from conftest import Model
 from conftest import assert_matches_stock
 from conftest import control_flow_v1
 from conftest import gradients_vs_stock
+from conftest import stock_gradients
+import memory_saving_gradients as msg
 
 
 def _normal(shape, scale=1.0, seed=0):
@@ -50,3 +52,50 @@ def test_integer_shape_checkpoint_stays_a_compile_time_constant_under_xla():
     outcome = gradients_vs_stock("xla", build, {"x": _normal((4, 6))},
                                  shapes={"x": (None, 6)})
     assert_matches_stock(outcome)
+
+
+@pytest.mark.parametrize("runtime", ["session", "function"])
+def test_nonlinear_custom_gradient_feeding_several_segments(runtime):
+    """Partial gradients are summed before they pass through an op: a clipped
+    custom gradient sees clip(a + b), never clip(a) + clip(b)."""
+    @tf.custom_gradient
+    def clip_gradient(h):
+        def grad(dy):
+            return tf.clip_by_value(dy, -0.3, 0.3)
+        return tf.identity(h), grad
+
+    def build(ctx, x):
+        w = ctx.variable("w", _normal((6, 6), 0.5, seed=1))
+        h = tf.tanh(tf.matmul(x, w))
+        clipped = clip_gradient(h * 2.0)
+        left = tf.tanh(tf.matmul(tf.sin(clipped), w))
+        right = tf.tanh(tf.cos(clipped) * 3.0)
+        y = tf.reduce_sum(tf.tanh(left) + tf.sin(right) * 2.0)
+        return Model(ys=[y], xs=[x, w], lists={"branch_ends": [left, right],
+                                              "one_branch": [left], "with_h": [h, right]})
+
+    outcome = gradients_vs_stock(runtime, build, {"x": _normal((3, 6))})
+    assert_matches_stock(outcome)
+
+
+@pytest.mark.parametrize("runtime", ["session", "function"])
+def test_second_order_with_respect_to_an_intermediate_x(runtime):
+    """With xs=[h, x] and checkpoints=[], h's own op is not recomputed: the
+    gradient for x must read h itself, so a penalty on it has tf.gradients'
+    derivative with respect to h."""
+    def build(ctx, x):
+        w = ctx.variable("w", _normal((5, 5), 0.4, seed=1))
+        h = tf.tanh(tf.matmul(tf.sin(x), w))
+        y = tf.reduce_sum(tf.tanh(tf.matmul(h, w)) ** 2)
+        results = {}
+        for name, grads in [("stock", stock_gradients(y, [h, x])),
+                            ("ours", msg.gradients(y, [h, x], checkpoints=[]))]:
+            penalty = tf.reduce_sum(grads[0] ** 2) + tf.reduce_sum(grads[1] ** 2)
+            results[name] = stock_gradients(penalty, [h, x, w])
+        return Model(ys=[y], xs=[x], fetch={f"{name}{i}": g for name, grads in results.items()
+                                           for i, g in enumerate(grads)})
+
+    outcome = gradients_vs_stock(runtime, build, {"x": _normal((2, 5))}, modes=())
+    for i in range(3):
+        np.testing.assert_allclose(outcome.forward[f"ours{i}"], outcome.forward[f"stock{i}"],
+                                   rtol=1e-5, atol=1e-6, err_msg=f"d penalty / d xs[{i}]")

@@ -60,8 +60,9 @@ class GraphModel:
         FLOPs of the producing op), ``recomputable`` (bool), ``float`` (bool).
       order: activation tensor names in a topological order.
       pinned: activation tensors that must be kept: outputs and activation
-        inputs of ops that cannot be recomputed, and xs inside the region,
-        with every activation output of the ops producing them.
+        inputs of ops that cannot be recomputed, among them the ops
+        producing xs inside the region, with every activation output of the
+        ops producing them.
       ys: names of the ys that are activations.
       op_outputs: op name -> its activation output names (the unit a
         checkpoint is expanded to, so no output of a copied op is forgotten).
@@ -283,7 +284,11 @@ def build_model(ys, xs):
         if not outs:
             other_bytes += sum(tensor_bytes(o) for o in op.outputs)
             continue
-        recomputable = is_recomputable(op, rerunnable)
+        # An x's own op is differentiated as it is: the gradients below it
+        # must read the x itself, or a gradient of them (second order) would
+        # miss their dependence on that x.
+        recomputable = (is_recomputable(op, rerunnable)
+                        and not any(o.name in x_names for o in op.outputs))
         cost = op_cost(op)
         op_outputs[op.name] = tuple(o.name for o in outs)
         act_inputs = [i.name for i in inputs[op] if i.name in activations]
