@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from conftest import Context
 from conftest import Model
 from conftest import assert_matches_stock
 from conftest import control_flow_v1
@@ -99,3 +100,60 @@ def test_second_order_with_respect_to_an_intermediate_x(runtime):
     for i in range(3):
         np.testing.assert_allclose(outcome.forward[f"ours{i}"], outcome.forward[f"stock{i}"],
                                    rtol=1e-5, atol=1e-6, err_msg=f"d penalty / d xs[{i}]")
+
+
+def _rnn(x, w, steps=3):
+    """A v2 while loop reading `w` in its body."""
+    def body(t, h):
+        return t + 1, tf.tanh(tf.matmul(h, w) + x)
+    return tf.while_loop(lambda t, h: t < steps, body, [0, tf.tanh(x)])[1]
+
+
+def _assign_in_a_loop(w):
+    """A v2 while loop whose body adds 0.5 to `w`."""
+    def body(t):
+        with tf.control_dependencies([w.assign_add(tf.fill(w.shape, 0.5))]):
+            return t + 1
+    return tf.while_loop(lambda t: t < 1, body, [0])
+
+
+@pytest.mark.parametrize("runtime", ["session", "function"])
+def test_a_loop_assigning_in_its_body_is_a_writer(runtime):
+    """A loop reading w is kept when another loop's body assigns w after it."""
+    def build(ctx, x):
+        w = ctx.variable("w", _normal((4, 4), 0.4, seed=1))
+        h = _rnn(x, w)
+        y = tf.reduce_sum(tf.tanh(h) ** 2)
+        with tf.control_dependencies([y]):
+            written = _assign_in_a_loop(w)
+        return Model(ys=[y], xs=[x, w], lists={"after_loop": [h]}, fetch={"written": written})
+
+    outcome = gradients_vs_stock(runtime, build, {"x": _normal((2, 4))})
+    assert_matches_stock(outcome, forward_unchanged=False)
+
+
+def test_session_assign_made_after_the_gradients_call():
+    """In a Session nothing orders an assign made after `gradients` (on the
+    loss only) before a loop rerun that reads the variable: such loops are kept."""
+    def build(ctx, x):
+        w = ctx.variable("w", _normal((4, 4), 0.4, seed=1))
+        h = _rnn(x, w)
+        y = tf.reduce_sum(tf.tanh(h) ** 2)
+        return Model(ys=[y], xs=[x, w], lists={"after_loop": [h]})
+
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [2, 4])
+        model = build(Context(), x)
+        stock = stock_gradients(model.ys, model.xs)
+        ours = msg.gradients(model.ys, model.xs, checkpoints=model.lists["after_loop"])
+        w = model.xs[1]
+        with tf.control_dependencies(model.ys):
+            update = w.assign_add(tf.fill(w.shape, 0.5))
+        with tf.compat.v1.Session() as sess:
+            feed = {x: _normal((2, 4))}
+            for _ in range(5):  # the executor's order varies from run to run
+                sess.run(tf.compat.v1.global_variables_initializer())
+                got_stock, got_ours, _ = sess.run([stock, ours, update], feed)
+                for a, b in zip(got_ours, got_stock):
+                    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
