@@ -31,13 +31,13 @@ class Plan:
 
     Attributes:
       strategy: name of the selection that produced it.
-      checkpoints: every kept activation (chosen plus pinned), topological order.
+      kept: every kept activation (chosen plus pinned), topological order.
       chosen: the checkpoints the strategy chose (without pinned ones).
       levels: processed from last to first during backprop.
       notes: human-readable remarks (fallbacks taken, inputs ignored).
     """
     strategy: str
-    checkpoints: tuple
+    kept: tuple
     chosen: tuple
     levels: tuple
     notes: tuple = ()
@@ -66,7 +66,7 @@ def segment(model, root, checkpoints):
     does not read its output (matmuls, convolutions). O(size of the segment).
     """
     graph = model.graph
-    if not graph.nodes[root]["recomputable"]:
+    if not model.tensors[root].recomputable:
         return set(), set(graph.predecessors(root))
     recomputed, needed = {root}, set()
     stack = [root]
@@ -121,6 +121,6 @@ def make_plan(model, chosen, strategy, notes=()):
             copy_ops=tuple(sorted(owners, key=op_rank.__getitem__)),
             owners={op: tuple(cs) for op, cs in owners.items()}))
     return Plan(strategy=strategy,
-                checkpoints=tuple(sorted(checkpoints, key=rank.__getitem__)),
+                kept=tuple(sorted(checkpoints, key=rank.__getitem__)),
                 chosen=tuple(sorted(expand_to_ops(model, chosen), key=rank.__getitem__)),
                 levels=tuple(levels), notes=tuple(notes))
