@@ -5,13 +5,13 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import Context
-from conftest import Model
-from conftest import assert_matches_stock
-from conftest import control_flow_v1
-from conftest import gradients_vs_stock
-from conftest import stock_gradients
 import memory_saving_gradients as msg
+from harness import Context
+from harness import Model
+from harness import assert_matches_stock
+from harness import control_flow_v1
+from harness import gradients_vs_stock
+from harness import stock_gradients
 
 
 def _normal(shape, scale=1.0, seed=0):

@@ -10,9 +10,9 @@ import pytest
 import tensorflow as tf
 from tensorflow.python.framework import op_def_registry
 
-from conftest import Model
-from conftest import assert_matches_stock
-from conftest import gradients_vs_stock
+from harness import Model
+from harness import assert_matches_stock
+from harness import gradients_vs_stock
 from memory_saving_gradients.tfgraph import effects
 
 # Registered op types whose names suggest randomness but that rerun

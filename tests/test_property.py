@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import settings
 from hypothesis import strategies as st
 
-from conftest import RUNTIMES
+from harness import RUNTIMES
 from conftest import Model
 from conftest import assert_matches_stock
 from conftest import gradients_vs_stock

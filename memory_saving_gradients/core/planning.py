@@ -31,13 +31,13 @@ class Plan:
 
     Attributes:
       strategy: name of the selection that produced it.
-      checkpoints: every kept activation (chosen plus pinned), topological order.
+      kept: every kept activation (chosen plus pinned), topological order.
       chosen: the checkpoints the strategy chose (without pinned ones).
       levels: processed from last to first during backprop.
       notes: human-readable remarks (fallbacks taken, inputs ignored).
     """
     strategy: str
-    checkpoints: tuple
+    kept: tuple
     chosen: tuple
     levels: tuple
     notes: tuple = ()
@@ -66,7 +66,7 @@ def segment(model, root, checkpoints):
     does not read its output (matmuls, convolutions). O(size of the segment).
     """
     graph = model.graph
-    if not graph.nodes[root]["recomputable"]:
+    if not model.tensors[root].recomputable:
         return set(), set(graph.predecessors(root))
     recomputed, needed = {root}, set()
     stack = [root]
@@ -113,7 +113,7 @@ def split_ops(model, checkpoints, segments, groups):
             for t in segments[c][0] - checkpoints:
                 calls.setdefault(model.op_of(t), set()).add(number)
     return {t for op, where in calls.items() if len(where) > 1 for t in model.op_outputs[op]
-            if model.graph.nodes[t]["float"]}
+            if model.tensors[t].is_float}
 
 
 def _top_region(model, checkpoints):
@@ -160,6 +160,6 @@ def make_plan(model, chosen, strategy, notes=()):
             copy_ops=tuple(sorted(owners, key=op_rank.__getitem__)),
             owners={op: tuple(cs) for op, cs in owners.items()}))
     return Plan(strategy=strategy,
-                checkpoints=tuple(sorted(checkpoints, key=rank.__getitem__)),
+                kept=tuple(sorted(checkpoints, key=rank.__getitem__)),
                 chosen=tuple(sorted(expand_to_ops(model, chosen), key=rank.__getitem__)),
                 levels=tuple(levels), notes=tuple(notes))

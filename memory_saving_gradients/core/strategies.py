@@ -51,9 +51,9 @@ def speed(model):
     whose output nothing reads is never run: its gradient needs only its
     inputs. O(n) per pass, at most a few passes.
     """
-    nodes = model.graph.nodes
+    tensors = model.tensors
     chosen = {n for n in model.order
-              if nodes[n]["op_type"] in EXPENSIVE_OP_TYPES and nodes[n]["float"]
+              if tensors[n].op_type in EXPENSIVE_OP_TYPES and tensors[n].is_float
               and n not in model.ys}
     streams = set(bottlenecks(model))
     for _ in range(4):
@@ -78,7 +78,7 @@ def memory(model):
     order = model.order
     if not order:
         return Selection(frozenset())
-    dominators = [n for n in bottlenecks(model) if model.graph.nodes[n]["float"]]
+    dominators = [n for n in bottlenecks(model) if model.tensors[n].is_float]
     plans = [(_price(model, chosen), chosen, "bottleneck")
              for chosen in _spaced_choices(model, dominators)]
     plans += [(_price(model, chosen), chosen, "separator")
@@ -95,7 +95,30 @@ def memory(model):
     return Selection(frozenset(chosen), notes)
 
 
-STRATEGIES = {"speed": speed, "memory": memory}
+_NAMED = {"memory": memory, "speed": speed}
+# Every `checkpoints` mode; 'collection' keeps the names the caller read from
+# the graph's collection, a list (mode 'list') the names given.
+MODES = ("collection", "memory", "speed")
+
+
+def validate(checkpoints) -> str:
+    """The mode of a `checkpoints` argument: a mode name, or 'list' for a sequence.
+
+    The one place an unknown mode is refused, for every way in.
+    """
+    if isinstance(checkpoints, str):
+        if checkpoints not in MODES:
+            raise ValueError(f"unknown checkpoints mode {checkpoints!r}: use one of "
+                             f"{', '.join(map(repr, MODES))} or a list of tensors")
+        return checkpoints
+    return "list"
+
+
+def select(model, mode: str, names=()) -> Selection:
+    """Runs the strategy of `mode`; 'collection' and 'list' keep exactly `names`."""
+    if mode in _NAMED:
+        return _NAMED[mode](model)
+    return explicit(model, names)
 
 
 def bottlenecks(model):
@@ -130,11 +153,10 @@ def _price(model, chosen):
 
 def _positions(model):
     """Cumulative activation bytes at each tensor of the topological order."""
-    nodes = model.graph.nodes
     total = 0
     positions = []
     for n in model.order:
-        total += max(nodes[n]["bytes"], 1)
+        total += max(model.tensors[n].bytes, 1)
         positions.append(total)
     return positions
 
@@ -175,7 +197,6 @@ def _spaced_choices(model, candidates):
 def _separator_choices(model):
     """For several counts k, the tensors alive across k cheap topological cuts."""
     order = model.order
-    nodes = model.graph.nodes
     rank = {n: i for i, n in enumerate(order)}
     end = len(order)
     last_use = [max((rank[s] for s in model.graph.successors(n)), default=end)
@@ -185,8 +206,8 @@ def _separator_choices(model):
     # live[p]: bytes of tensors produced at or before p and read after p.
     delta = [0] * (end + 1)
     for i, n in enumerate(order):
-        delta[i] += nodes[n]["bytes"]
-        delta[last_use[i]] -= nodes[n]["bytes"]
+        delta[i] += model.tensors[n].bytes
+        delta[last_use[i]] -= model.tensors[n].bytes
     live, running = [], 0
     for p in range(end):
         running += delta[p]

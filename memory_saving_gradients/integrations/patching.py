@@ -23,10 +23,9 @@ def patch_tf_gradients(checkpoints="memory"):
     """Makes tf.gradients and tf.compat.v1.gradients checkpoint with `checkpoints`.
 
     `checkpoints` is any value `gradients` accepts ('memory', 'speed',
-    'collection' or a list of tensors), checked now: a bad one would make
-    every later tf.gradients call fail. Undo with `unpatch_tf_gradients()`.
+    'collection' or a list of tensors). Undo with `unpatch_tf_gradients()`.
     """
-    api.check_checkpoints(checkpoints)
+    api.validate_checkpoints(checkpoints)
     replacement = tf.autograph.experimental.do_not_convert(
         functools.partial(api.gradients, checkpoints=checkpoints))
     _saved.append((checkpoints, [getattr(module, name) for module, name in _TARGETS]))
