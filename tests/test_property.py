@@ -169,17 +169,19 @@ def problems(draw):
     """A model and how to differentiate it."""
     nodes = draw(dags(), label="nodes")
     n = len(nodes)
+    second_order = draw(st.booleans(), label="second order")
+    stop_node = draw(st.none() | st.integers(1, n), label="stop_gradients")
+    if second_order and stop_node and nodes[stop_node - 1][0] == "call":
+        stop_node = None  # tf.gradients itself has no second order there (SymbolicGradient)
     return dict(
-        nodes=nodes,
+        nodes=nodes, second_order=second_order, stop_node=stop_node,
         checkpoints=sorted(draw(st.sets(st.integers(0, n)), label="checkpoints")),
         extra=draw(st.sets(st.sampled_from(["indices", "sibling", "x", "y"])),
                    label="extra checkpoints"),
         x_nodes=sorted(draw(st.sets(st.integers(1, n), max_size=2), label="intermediate xs")),
         unconnected=draw(st.booleans(), label="unconnected x"),
-        stop_node=draw(st.none() | st.integers(1, n), label="stop_gradients"),
         separate_ys=draw(st.booleans(), label="one y per sink"),
-        grad_ys=draw(st.booleans(), label="grad_ys"),
-        second_order=draw(st.booleans(), label="second order"))
+        grad_ys=draw(st.booleans(), label="grad_ys"))
 
 
 def _forward(nodes, x, weights):
