@@ -190,6 +190,9 @@ def test_function_peak_needs_allocator_stats_and_says_how(enable):
     so the default allocator keeps no statistics on any CPU."""
     env = {k: v for k, v in os.environ.items() if k != "TF_CPU_ALLOCATOR_USE_BFC"}
     env.update(TF_ENABLE_ONEDNN_OPTS="0", TF_CPP_MIN_LOG_LEVEL="2")
+    # The child imports tests/models.py.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(__file__),
+                                                      env.get("PYTHONPATH")]))
     out = subprocess.run([sys.executable, "-c", _MEASURE_ONE_CALL.format(enable=enable)],
                          env=env, capture_output=True, text=True, check=True).stdout
     if enable:
