@@ -23,8 +23,11 @@ import numpy as np
 
 from memory_saving_gradients.core import cuts as cut_model
 
-MAX_BOUNDS = 48  # values of M tried when there are more distinct ones
-MAX_QUANTA = 256  # resolution of kept bytes in the budgeted search
+# Work limits (array elements touched per search): below them the searches
+# are exact; above, they try a spread of bounds M and coarser byte quanta.
+PEAK_WORK = 5e7
+BUDGET_WORK = 3e7
+MAX_QUANTA = 512  # resolution of kept bytes in the budgeted search
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,13 +68,14 @@ class _Pairs:
         inside = np.diagonal(below)[None, :m] - below[:m, :m]
         return np.triu(inside, 1), np.cumsum(hist.sum(axis=1))
 
-    def bounds(self, allowed, limit):
-        """Values of M worth trying: the distinct interval and tail sizes up to `limit`."""
+    def bounds(self, allowed, limit, work_per_bound):
+        """Values of M worth trying: the distinct interval and tail sizes up to
+        `limit`; if more than the work limits allow, an even spread of them."""
         sizes = np.concatenate([self.S[allowed], self.tail, [0.0]])
         sizes = np.unique(sizes[sizes <= limit])
-        if len(sizes) > MAX_BOUNDS:
-            sizes = sizes[np.unique(np.linspace(0, len(sizes) - 1, MAX_BOUNDS).round()
-                                    .astype(int))]
+        most = max(8, int(work_per_bound))
+        if len(sizes) > most:
+            sizes = sizes[np.unique(np.linspace(0, len(sizes) - 1, most).round().astype(int))]
         return sizes
 
     def cuts_of(self, path):
@@ -94,7 +98,7 @@ def least_peak(problem, forbidden=None) -> Solution:
     """
     pairs = _Pairs(problem)
     allowed = _allowed(pairs, None if forbidden is None else pairs.internal(forbidden)[0])
-    bounds = pairs.bounds(allowed, np.inf)
+    bounds = pairs.bounds(allowed, np.inf, PEAK_WORK / len(pairs.at) ** 2)
     kept, cost, back = _shortest_paths(pairs, allowed, bounds)
     fits = pairs.tail[None, :] <= bounds[:, None]
     peak = np.where(fits, kept + bounds[:, None], np.inf)
@@ -137,10 +141,10 @@ def least_recompute(problem, budget: float, quanta: int = MAX_QUANTA):
     room = budget - pairs.fixed
     if room < 0:
         return None
-    allowed = _allowed(pairs, None)
-    bounds = pairs.bounds(allowed, room)
+    allowed = _allowed(pairs, None) & (pairs.S <= room)
     quantum = max(1.0, np.ceil(room / quanta))
     steps = int(room // quantum)
+    bounds = pairs.bounds(allowed, room, BUDGET_WORK / (max(allowed.sum(), 1) * (steps + 1)))
     need = np.ceil(pairs.K / quantum)
     best, back = _budget_paths(pairs, allowed, bounds, need, steps)
     fits = (pairs.tail[None, :] <= bounds[:, None])[:, :, None]
@@ -161,18 +165,24 @@ def least_recompute(problem, budget: float, quanta: int = MAX_QUANTA):
 
 
 def _budget_paths(pairs, allowed, bounds, need, steps):
-    """Per bound, cut and kept quanta q: least cost of a path keeping exactly q quanta."""
+    """Per bound, cut and kept quanta q: least cost of a path keeping exactly q quanta.
+
+    One pass per allowed interval (i, j], on slices: the bounds it respects
+    (sorted, so a suffix of them) times the quanta it leaves room for.
+    """
     m = len(pairs.at)
     best = np.full((len(bounds), m, steps + 1), np.inf)
     back = np.zeros((len(bounds), m, steps + 1), np.int32)
     best[:, 0, 0] = 0.0
-    quanta = np.arange(steps + 1)
     for j in range(1, m):
-        src = quanta[None, :] - need[:j, j][:, None]  # (j, q)
-        ok = allowed[:j, j][None, :, None] & (pairs.S[None, :j, j, None] <= bounds[:, None, None])
-        ok = ok & (src >= 0)[None]
-        reach = best[:, np.arange(j)[:, None], np.clip(src, 0, steps).astype(np.int64)]
-        reach = np.where(ok, reach + pairs.C[:j, j][None, :, None], np.inf)
-        back[:, j] = reach.argmin(axis=1)
-        best[:, j] = reach.min(axis=1)
+        for i in np.flatnonzero(allowed[:j, j]):
+            k = int(np.searchsorted(bounds, pairs.S[i, j], side="left"))
+            shift = int(need[i, j])
+            if k == len(bounds) or shift > steps:
+                continue
+            came = best[k:, i, :steps + 1 - shift] + pairs.C[i, j]
+            into = best[k:, j, shift:]
+            better = came < into
+            into[better] = came[better]
+            back[k:, j, shift:][better] = i
     return best, back
