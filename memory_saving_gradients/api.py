@@ -30,14 +30,17 @@ class CheckpointPlan:
     """What `gradients` would do, computed without changing the graph.
 
     Attributes:
-      mode: 'collection', 'memory', 'speed' or 'list'.
+      mode: 'collection', 'memory', 'speed', 'list', 'budget(...)' or
+        'custom:<name>' (the strategy's name).
       checkpoints: tensors the mode chose to keep.
       pinned: tensors kept because they cannot be recomputed (outputs of
         stateful or control-flow ops, their inputs, xs inside the region).
       num_recomputed_ops: ops copied and rerun during backprop.
       num_forward_ops: ops between xs and ys.
       estimate: simulated memory and recompute cost (simulation.Estimate).
-      notes: fallbacks taken and inputs ignored.
+      notes: what the strategy chose and why, fallbacks taken, inputs ignored.
+      feasible: False when the strategy could not meet its own target.
+      result: the strategy's Result (chosen tensor names, plan, estimate).
     """
     mode: str
     checkpoints: tuple
@@ -48,6 +51,8 @@ class CheckpointPlan:
     notes: tuple
     plan: planning.Plan = dataclasses.field(repr=False)
     model: reading.GraphModel = dataclasses.field(repr=False)
+    feasible: bool = True
+    result: strategies.Result = dataclasses.field(default=None, repr=False)
 
     def __str__(self):
         est = self.estimate
@@ -62,6 +67,8 @@ class CheckpointPlan:
         ]
         lines += [f"checkpoint: {t.name} {t.shape} {t.dtype.name}" for t in self.checkpoints]
         lines += [f"note: {n}" for n in self.notes]
+        if not self.feasible:
+            lines.append("note: the strategy could not meet its target")
         return "\n".join(lines)
 
 
@@ -72,9 +79,12 @@ def gradients(ys, xs, grad_ys=None, checkpoints="collection", **kwargs):
 
     Args:
       ys, xs, grad_ys: as for `tf.gradients` (tensors, or resource variables as xs).
-      checkpoints: a list of tensors to keep, or 'collection' (the tensors in
-        the graph collection 'checkpoints'), 'memory' (~sqrt(n) bottlenecks) or
-        'speed' (outputs of matmuls, convolutions, einsums).
+      checkpoints: a list of tensors to keep; 'collection' (the tensors in
+        the graph collection 'checkpoints'); 'memory' (the plan of least
+        predicted peak); 'speed' (least peak recomputing only cheap ops);
+        `budget(max_bytes)` (least recompute within a predicted activation
+        peak); or a callable receiving the GraphModel and returning the
+        names of the tensors to keep (a custom strategy).
       **kwargs: `name`, `gate_gradients`, `aggregation_method`,
         `stop_gradients`, `unconnected_gradients`, `colocate_gradients_with_ops`,
         passed on to `tf.gradients`.
@@ -135,41 +145,40 @@ def checkpoint_plan(ys, xs, checkpoints="memory"):
 
 def _plan(ys, xs, checkpoints):
     model = reading.build_model(ys, xs)
-    mode, chosen = _select(model, ys, xs, checkpoints)
-    plan = planning.make_plan(model, chosen.names, mode, chosen.notes)
+    if isinstance(checkpoints, str) and checkpoints == "collection":
+        result = strategies.run(model, _collection_names(ys[0].graph), "collection")
+    else:
+        result = strategies.run(model, _strategy_input(model, ys, xs, checkpoints))
+    plan = result.plan
     graph = ys[0].graph
     kept = set(plan.chosen)
     return CheckpointPlan(
-        mode=mode,
+        mode=result.strategy,
         checkpoints=tuple(graph.get_tensor_by_name(n) for n in plan.chosen),
         pinned=tuple(graph.get_tensor_by_name(n) for n in plan.checkpoints
                      if n not in kept),
         num_recomputed_ops=plan.num_recomputed_ops,
         num_forward_ops=model.num_region_ops,
-        estimate=simulation.estimate(model, plan),
-        notes=plan.notes,
+        estimate=result.estimate,
+        notes=result.notes,
         plan=plan,
-        model=model)
+        model=model,
+        feasible=result.feasible,
+        result=result)
 
 
-def _select(model, ys, xs, checkpoints):
-    """Runs the selection strategy `checkpoints` names; returns (mode, Selection)."""
+def _strategy_input(model, ys, xs, checkpoints):
+    """What `strategies.run` takes for `checkpoints`: a mode name, a callable,
+    or the names of the tensors of a list."""
     graph = ys[0].graph
     if isinstance(checkpoints, str):
-        if checkpoints in strategies.STRATEGIES:
-            return checkpoints, strategies.STRATEGIES[checkpoints](model)
-        if checkpoints == "collection":
-            found = [t for t in graph.get_collection(COLLECTION)
-                     if isinstance(t, tf.Tensor) and t.graph is graph]
-            if not found:
-                logger.warning("memory_saving_gradients: the %r collection is empty; "
-                               "nothing is recomputed (same as tf.gradients). Add "
-                               "tensors with tf.compat.v1.add_to_collection(%r, t).",
-                               COLLECTION, COLLECTION)
-            # Tensors elsewhere in the graph may be meant for other gradients calls.
-            return "collection", strategies.explicit(model, [t.name for t in found])
-        raise ValueError(f"unknown checkpoints mode {checkpoints!r}: use one of "
-                         f"{', '.join(map(repr, MODES))} or a list of tensors")
+        if checkpoints not in strategies.STRATEGIES:
+            raise ValueError(f"unknown checkpoints mode {checkpoints!r}: use one of "
+                             f"{', '.join(map(repr, MODES))}, a list of tensors, "
+                             f"budget(max_bytes) or a callable strategy")
+        return checkpoints
+    if callable(checkpoints):
+        return checkpoints
     tensors = _as_tensors(checkpoints, "checkpoints")
     _check_same_graph(tensors, graph, "checkpoints")
     x_names = {x.name for x in xs}
@@ -181,7 +190,19 @@ def _select(model, ys, xs, checkpoints):
             raise ValueError(f"checkpoint {t.name} is not between xs and ys: it does not "
                              f"depend on any x or no y depends on it; pass tensors on "
                              f"the path from xs to ys")
-    return "list", strategies.explicit(model, [t.name for t in tensors])
+    return [t.name for t in tensors]
+
+
+def _collection_names(graph):
+    found = [t for t in graph.get_collection(COLLECTION)
+             if isinstance(t, tf.Tensor) and t.graph is graph]
+    if not found:
+        logger.warning("memory_saving_gradients: the %r collection is empty; "
+                       "nothing is recomputed (same as tf.gradients). Add "
+                       "tensors with tf.compat.v1.add_to_collection(%r, t).",
+                       COLLECTION, COLLECTION)
+    # Tensors elsewhere in the graph may be meant for other gradients calls.
+    return [t.name for t in found]
 
 
 def _normalise(ys, xs, grad_ys):

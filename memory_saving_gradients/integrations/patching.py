@@ -23,7 +23,7 @@ def patch_tf_gradients(checkpoints="memory"):
     """Makes tf.gradients and tf.compat.v1.gradients checkpoint with `checkpoints`.
 
     `checkpoints` is any value `gradients` accepts ('memory', 'speed',
-    'collection' or a list of tensors). Undo with `unpatch_tf_gradients()`.
+    'collection', a list of tensors, `budget(max_bytes)` or a callable strategy). Undo with `unpatch_tf_gradients()`.
     """
     if isinstance(checkpoints, str) and checkpoints not in api.MODES:
         raise ValueError(f"unknown checkpoints mode {checkpoints!r}: use one of "
