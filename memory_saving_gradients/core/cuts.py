@@ -57,12 +57,13 @@ class CutProblem:
         return int(self.op_bytes.sum())
 
 
-def from_model(model, max_cuts=None) -> CutProblem:
+def from_model(model, max_cuts=None, cut_after=None) -> CutProblem:
     """The cut problem of a core GraphModel (one entry per op of `model.order`).
 
     `max_cuts` limits the candidate cuts (all op boundaries when None): the
     order is split into that many windows of equal activation bytes, and the
     cheapest position of each (fewest bytes alive across it) is a candidate.
+    `cut_after(op_type)`: ops after which a cut is always a candidate.
     """
     nodes = model.graph.nodes
     ops = tuple(dict.fromkeys(nodes[n]["op"] for n in model.order))
@@ -80,7 +81,12 @@ def from_model(model, max_cuts=None) -> CutProblem:
         readers = [position[nodes[s]["op"]] for s in model.graph.successors(name)]
         last_use[i] = max([last_use[i], *readers, end if name in ys else 0])
         always[i] |= name in pinned or name in ys
-    return make_problem(ops, op_bytes, op_cost, last_use, always, max_cuts)
+    problem = make_problem(ops, op_bytes, op_cost, last_use, always, max_cuts)
+    if cut_after is None:
+        return problem
+    wanted = [i for i, op in enumerate(ops[:-1])
+              if cut_after(nodes[model.op_outputs[op][0]]["op_type"])]
+    return dataclasses.replace(problem, cuts=np.union1d(problem.cuts, wanted).astype(np.int64))
 
 
 def make_problem(ops, op_bytes, op_cost, last_use, always_kept, max_cuts=None) -> CutProblem:

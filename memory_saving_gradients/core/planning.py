@@ -7,8 +7,6 @@ what is built.
 
 import dataclasses
 
-import toposort
-
 
 @dataclasses.dataclass(frozen=True)
 class Level:
@@ -97,9 +95,9 @@ def make_plan(model, chosen, strategy, notes=()):
     """Builds the Plan that keeps `chosen` plus the model's pinned tensors.
 
     Each checkpoint's segment is the ops between it and the nearest checkpoints
-    above it. Checkpoints are grouped into levels with `toposort` so a level is
-    recomputed only after every checkpoint that reads it has sent its gradient.
-    Linear in the model size per level.
+    above it. Checkpoints are grouped into levels (layers of the dependency
+    order) so a level is recomputed only after every checkpoint that reads it
+    has sent its gradient. Linear in the model size per level.
     """
     rank = {n: i for i, n in enumerate(model.order)}
     checkpoints = expand_to_ops(model, chosen) | set(model.pinned)
@@ -109,8 +107,7 @@ def make_plan(model, chosen, strategy, notes=()):
         recomputed, deps[c] = segment(model, c, checkpoints)
         ops_of[c] = {model.op_of(t) for t in recomputed}
     levels = []
-    for group in toposort.toposort(deps):
-        group = sorted(group, key=rank.__getitem__)
+    for group in _layers(deps, rank):
         owners = {}
         for c in group:
             for op in ops_of[c]:
@@ -124,3 +121,18 @@ def make_plan(model, chosen, strategy, notes=()):
                 checkpoints=tuple(sorted(checkpoints, key=rank.__getitem__)),
                 chosen=tuple(sorted(expand_to_ops(model, chosen), key=rank.__getitem__)),
                 levels=tuple(levels), notes=tuple(notes))
+
+
+def _layers(deps, rank):
+    """Checkpoints grouped by their longest chain of dependencies, first layer first.
+
+    The layers toposort.toposort gives, in one pass over the topological
+    order instead of one pass per layer (thousands of layers on deep nets).
+    """
+    depth = {}
+    for c in sorted(deps, key=rank.__getitem__):
+        depth[c] = 1 + max((depth[d] for d in deps[c]), default=-1)
+    layers = [[] for _ in range(1 + max(depth.values(), default=-1))]
+    for c, d in depth.items():
+        layers[d].append(c)
+    return layers

@@ -25,7 +25,7 @@ from memory_saving_gradients.core import cuts as cut_model
 
 # Work limits (array elements touched per search): below them the searches
 # are exact; above, they try a spread of bounds M and coarser byte quanta.
-PEAK_WORK = 5e7
+PEAK_WORK = 3e7
 BUDGET_WORK = 3e7
 MAX_QUANTA = 512  # resolution of kept bytes in the budgeted search
 
@@ -62,8 +62,9 @@ class _Pairs:
         """Per pair (i, j): summed weights of the ops in (i, j] not alive across j;
         and per i, the summed weights of the ops up to cut i (last: of all)."""
         m = len(self.at)
-        hist = np.zeros((m + 1, m + 1))
-        np.add.at(hist, (self._u, self._v), np.asarray(weights, float)[self._free])
+        flat = np.bincount(self._u * (m + 1) + self._v, np.asarray(weights, float)[self._free],
+                           minlength=(m + 1) ** 2)
+        hist = flat.reshape(m + 1, m + 1)
         below = np.cumsum(np.cumsum(hist, axis=1), axis=0)  # u <= i, v <= j
         inside = np.diagonal(below)[None, :m] - below[:m, :m]
         return np.triu(inside, 1), np.cumsum(hist.sum(axis=1))
