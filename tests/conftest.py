@@ -120,7 +120,9 @@ def _ours(model, modes):
     """Our gradients for every mode and explicit list, in the current graph."""
     ours = {}
     for mode in modes:
-        ours[mode] = msg.gradients(model.ys, model.xs, model.grad_ys,
+        # Strategy objects (budgets, callables) are reported by name: tf.nest wants str keys.
+        name = mode if isinstance(mode, str) else getattr(mode, "__name__", repr(mode))
+        ours[name] = msg.gradients(model.ys, model.xs, model.grad_ys,
                                    checkpoints=mode, **model.kwargs)
     for name, tensors in model.lists.items():
         ours[f"list:{name}"] = msg.gradients(model.ys, model.xs, model.grad_ys,
@@ -155,7 +157,8 @@ def gradients_vs_stock(runtime, build, inputs, modes=MODES, shapes=None):
       build: the model-building function; it must create variables with
         `ctx.variable` so they are made once and initialised the same way.
       inputs: name -> numpy array fed as that input.
-      modes: string modes to run besides the model's explicit lists.
+      modes: checkpoints values to run besides the model's explicit lists:
+        mode names, budgets or strategy callables (reported by `__name__`).
       shapes: name -> static shape for an input (default: the array's shape);
         use None dims to get dynamic shapes.
 

@@ -38,7 +38,7 @@ class Budget:
 
     @property
     def __name__(self):
-        return f"budget({describe_bytes(self.max_bytes)})"
+        return f"budget({self.max_bytes / 2**20:.2f} MiB)"
 
     def __call__(self, model) -> strategies.Result:
         """The plan; ValueError naming the smallest feasible budget if none fits."""
@@ -46,7 +46,8 @@ class Budget:
         least = strategies.memory(model)
         if least.peak_bytes > self.max_bytes:
             raise ValueError(
-                f"no checkpoint plan fits {self.__name__}: the smallest feasible budget "
+                f"no checkpoint plan fits a budget of {describe_bytes(self.max_bytes)}: "
+                f"the smallest feasible budget "
                 f"on this graph is {describe_bytes(least.peak_bytes)} (the 'memory' "
                 f"plan; tf.gradients needs {describe_bytes(least.estimate.baseline_bytes)}). "
                 f"Raise the budget to at least that, or shrink the batch")
