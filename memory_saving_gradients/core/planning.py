@@ -5,9 +5,14 @@ exactly, and the simulator prices the same `Plan`, so what is predicted is
 what is built.
 """
 
+from __future__ import annotations
+
 import dataclasses
+from typing import Iterable
 
 import toposort
+
+from memory_saving_gradients.core.model import GraphModel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,11 +48,11 @@ class Plan:
     notes: tuple = ()
 
     @property
-    def num_recomputed_ops(self):
+    def num_recomputed_ops(self) -> int:
         return sum(len(level.copy_ops) for level in self.levels)
 
 
-def expand_to_ops(model, names):
+def expand_to_ops(model: GraphModel, names: Iterable[str]) -> set:
     """All activation outputs of the ops producing `names`.
 
     Gradients stop per op, so keeping one output of a multi-output op and
@@ -56,7 +61,7 @@ def expand_to_ops(model, names):
     return {o for n in names for o in model.op_outputs[model.op_of(n)]}
 
 
-def segment(model, root, checkpoints):
+def segment(model: GraphModel, root: str, checkpoints) -> tuple[set, set]:
     """Tensors recomputed to rebuild `root` from the checkpoints above it.
 
     Returns (recomputed tensor names, checkpoints read). A root that cannot be
@@ -80,7 +85,7 @@ def segment(model, root, checkpoints):
     return recomputed, needed
 
 
-def shared_tensors(model, checkpoints):
+def shared_tensors(model: GraphModel, checkpoints) -> set:
     """Dropped tensors that more than one checkpoint's segment would recompute.
 
     Keeping them bounds recomputation to once per op, which matters on
@@ -93,7 +98,7 @@ def shared_tensors(model, checkpoints):
     return {t for t, ops in owners.items() if len(ops) > 1}
 
 
-def make_plan(model, chosen, strategy, notes=()):
+def make_plan(model: GraphModel, chosen: Iterable[str], strategy: str, notes=()) -> Plan:
     """Builds the Plan that keeps `chosen` plus the model's pinned tensors.
 
     Each checkpoint's segment is the ops between it and the nearest checkpoints

@@ -7,7 +7,12 @@ level's recomputed segment is alive. It is an estimate for comparing plans,
 not an allocator: tests compare it with measured peaks only loosely.
 """
 
+from __future__ import annotations
+
 import dataclasses
+
+from memory_saving_gradients.core.model import GraphModel
+from memory_saving_gradients.core.planning import Plan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,12 +35,12 @@ class Estimate:
     forward_flops: int
 
     @property
-    def memory_ratio(self):
+    def memory_ratio(self) -> float:
         """Predicted peak as a fraction of tf.gradients' activation memory."""
         return self.peak_bytes / max(self.baseline_bytes, 1)
 
 
-def estimate(model, plan):
+def estimate(model: GraphModel, plan: Plan) -> Estimate:
     """Prices `plan` on `model`. O(size of the model)."""
     tensors = model.tensors
     checkpoints = set(plan.kept)

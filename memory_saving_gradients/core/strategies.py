@@ -11,6 +11,8 @@ nothing of TensorFlow, so a new strategy is one new function here:
   collection, read by the caller).
 """
 
+from __future__ import annotations
+
 import bisect
 import dataclasses
 import logging
@@ -19,6 +21,7 @@ import math
 import networkx as nx
 
 from memory_saving_gradients.core import planning
+from memory_saving_gradients.core.model import GraphModel
 from memory_saving_gradients.core import simulation
 
 logger = logging.getLogger(__name__)
@@ -37,12 +40,12 @@ class Selection:
     notes: tuple = ()
 
 
-def explicit(model, names):
+def explicit(model: GraphModel, names) -> Selection:
     """Keeps exactly `names` (activation tensor names of `model`)."""
     return Selection(frozenset(n for n in names if n in model.graph))
 
 
-def speed(model):
+def speed(model: GraphModel) -> Selection:
     """Keeps outputs of matmuls, convolutions and einsums; recomputes the rest once.
 
     Tensors that several segments would recompute (a residual stream between
@@ -65,7 +68,7 @@ def speed(model):
     return Selection(frozenset(chosen))
 
 
-def memory(model):
+def memory(model: GraphModel) -> Selection:
     """Keeps ~sqrt(n) bottlenecks: the plan with the lowest simulated peak.
 
     Bottlenecks are tensors every path from the data to the ys passes
@@ -114,14 +117,14 @@ def validate(checkpoints) -> str:
     return "list"
 
 
-def select(model, mode: str, names=()) -> Selection:
+def select(model: GraphModel, mode: str, names=()) -> Selection:
     """Runs the strategy of `mode`; 'collection' and 'list' keep exactly `names`."""
     if mode in _NAMED:
         return _NAMED[mode](model)
     return explicit(model, names)
 
 
-def bottlenecks(model):
+def bottlenecks(model: GraphModel) -> list:
     """Activations on every path from the data inputs to the ys, in order.
 
     Computed as the dominators of a super-sink fed by the ys, from a

@@ -19,7 +19,7 @@ _TARGETS = ((tf, "gradients"), (tf.compat.v1, "gradients"))
 _saved = []  # stack of (checkpoints, the functions it replaced), for nesting
 
 
-def patch_tf_gradients(checkpoints="memory"):
+def patch_tf_gradients(checkpoints="memory") -> None:
     """Makes tf.gradients and tf.compat.v1.gradients checkpoint with `checkpoints`.
 
     `checkpoints` is any value `gradients` accepts ('memory', 'speed',
@@ -33,7 +33,7 @@ def patch_tf_gradients(checkpoints="memory"):
         setattr(module, name, replacement)
 
 
-def unpatch_tf_gradients():
+def unpatch_tf_gradients() -> None:
     """Restores the functions the most recent `patch_tf_gradients` replaced."""
     if not _saved:
         raise RuntimeError("tf.gradients is not patched by memory_saving_gradients; "
