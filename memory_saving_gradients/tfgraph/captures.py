@@ -26,6 +26,30 @@ def encloses(outer, graph) -> bool:
     return False
 
 
+def local_tensor(graph, tensor) -> Optional[tf.Tensor]:
+    """The tensor of `graph` standing for `tensor`, or None if `graph` never captured it.
+
+    `tensor` itself when it belongs to `graph`; else the placeholder `graph`
+    captured it as, directly or through the placeholders of the graphs in
+    between (a loop body in a function in a function). O(captures x depth).
+    """
+    if getattr(tensor, "graph", None) is graph:
+        return tensor
+    internal = _captured_as(graph, tensor)
+    if internal is not None:
+        return internal
+    outer = getattr(graph, "outer_graph", None)
+    in_outer = None if outer is None else local_tensor(outer, tensor)
+    return None if in_outer is None else _captured_as(graph, in_outer)
+
+
+def _captured_as(graph, tensor):
+    for external, internal in getattr(graph, "captures", ()):
+        if external is tensor:
+            return internal
+    return None
+
+
 def differentiable_captures(graph) -> List[Tuple[tf.Tensor, tf.Tensor]]:
     """(captured tensor, its placeholder in `graph`) for the captures a gradient can cross.
 
