@@ -168,6 +168,7 @@ def _plan(ys, xs, checkpoints):
 def _select(model, ys, xs, checkpoints):
     """Runs the selection strategy `checkpoints` names; returns (mode, Selection)."""
     graph = ys[0].graph
+    check_checkpoints(checkpoints)
     if isinstance(checkpoints, str):
         if checkpoints in strategies.STRATEGIES:
             return checkpoints, strategies.STRATEGIES[checkpoints](model)
@@ -181,8 +182,6 @@ def _select(model, ys, xs, checkpoints):
                                COLLECTION, COLLECTION)
             # Tensors elsewhere in the graph may be meant for other gradients calls.
             return "collection", strategies.explicit(model, [t.name for t in found])
-        raise ValueError(f"unknown checkpoints mode {checkpoints!r}: use one of "
-                         f"{', '.join(map(repr, MODES))} or a list of tensors")
     tensors = _as_tensors(checkpoints, "checkpoints")
     _check_same_graph(tensors, graph, "checkpoints")
     x_names = {x.name for x in xs}
@@ -195,6 +194,21 @@ def _select(model, ys, xs, checkpoints):
                              f"depend on any x or no y depends on it; pass tensors on "
                              f"the path from xs to ys")
     return "list", strategies.explicit(model, [t.name for t in tensors])
+
+
+def check_checkpoints(checkpoints) -> None:
+    """Raises the error `gradients` would for a malformed `checkpoints`, before any graph exists.
+
+    Integrations that take `checkpoints` long before they differentiate (the
+    patch, the Keras callback) call this so a typo fails where it is written.
+    """
+    if isinstance(checkpoints, str):
+        if checkpoints not in MODES:
+            raise ValueError(f"unknown checkpoints mode {checkpoints!r}: use one of "
+                             f"{', '.join(map(repr, MODES))} or a list of tensors")
+    elif not isinstance(checkpoints, collections.abc.Iterable) or isinstance(checkpoints, bytes):
+        raise TypeError(f"checkpoints must be a mode ({', '.join(map(repr, MODES))}) or a "
+                        f"list of tensors, got {type(checkpoints).__name__}: {checkpoints!r}")
 
 
 def _normalise(ys, xs, grad_ys):

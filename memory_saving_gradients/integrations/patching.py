@@ -31,9 +31,7 @@ def patch_tf_gradients(checkpoints="memory"):
     `checkpoints` is any value `gradients` accepts ('memory', 'speed',
     'collection' or a list of tensors). Undo with `unpatch_tf_gradients()`.
     """
-    if isinstance(checkpoints, str) and checkpoints not in api.MODES:
-        raise ValueError(f"unknown checkpoints mode {checkpoints!r}: use one of "
-                         f"{', '.join(map(repr, api.MODES))} or a list of tensors")
+    api.check_checkpoints(checkpoints)
     tape.install(active_checkpoints)
     replacement = tf.autograph.experimental.do_not_convert(
         functools.partial(api.gradients, checkpoints=checkpoints))
