@@ -16,6 +16,7 @@ import tensorflow as tf
 
 import memory_saving_gradients as msg
 import memory_saving_gradients.keras as msg_keras
+from examples.keras_models import bert_like, mobilenet
 
 RNG = np.random.RandomState(0)
 IMAGES = RNG.rand(24, 32, 32, 3).astype("float32")
@@ -60,25 +61,6 @@ def fit_vs_stock(build, x, y, caplog, compile_kwargs=None, fit_kwargs=None, poli
 def _enabled(model):
     from memory_saving_gradients.integrations import keras as hook  # pylint: disable=import-outside-toplevel
     return hook.enabled_checkpoints(model) is not None
-
-
-def mobilenet():
-    return keras.applications.MobileNetV2(input_shape=(32, 32, 3), alpha=0.35, weights=None,
-                                          classes=4, classifier_activation=None)
-
-
-def bert_like(vocab=50, width=32, layers=2):
-    """A BERT-style encoder: embeddings, attention + feed-forward blocks with dropout."""
-    tokens = keras.Input((None,), dtype="int32")
-    h = keras.layers.Embedding(vocab, width)(tokens)
-    h = keras.layers.Dropout(0.1)(h)
-    for _ in range(layers):
-        attended = keras.layers.MultiHeadAttention(2, width // 2, dropout=0.1)(h, h)
-        h = keras.layers.LayerNormalization()(h + keras.layers.Dropout(0.1)(attended))
-        hidden = keras.layers.Dense(width * 2, activation="gelu")(h)
-        hidden = keras.layers.Dropout(0.1)(keras.layers.Dense(width)(hidden))
-        h = keras.layers.LayerNormalization()(h + hidden)
-    return keras.Model(tokens, keras.layers.Dense(4)(h[:, 0]))
 
 
 def mlp(dropout=0.2):
