@@ -257,10 +257,16 @@ def _as_tensors(values, what, allow_variables=False, allow_none=False):
                        else tf.convert_to_tensor(v))
         elif tf.is_symbolic_tensor(v):
             out.append(v)
+        elif what == "xs" and isinstance(v, tf.Tensor) and _in_function():
+            out.append(tf.convert_to_tensor(v))  # an eager tensor: captured, as tf.gradients does
         else:
             raise TypeError(f"{what}[{i}] must be a tf.Tensor in a graph, got "
                             f"{type(v).__name__}: {v!r}")
     return out
+
+
+def _in_function():
+    return hasattr(tf.compat.v1.get_default_graph(), "captures")  # a tf.function's FuncGraph
 
 
 def _check_same_graph(tensors, graph, what):
