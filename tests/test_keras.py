@@ -77,6 +77,7 @@ def mlp(dropout=0.2):
     return keras.Model(inputs, keras.layers.Dense(4)(h))
 
 
+@pytest.mark.slow  # MobileNetV2 traced twice (stock, ours): 1.5-7 minutes on 2 shared cores
 def test_cnn_with_batch_norm(caplog):
     model = fit_vs_stock(mobilenet, IMAGES, LABELS, caplog)
     # Moving statistics moved, once per step as in stock (compared above).

@@ -52,6 +52,7 @@ print("TF_KERAS_OK")
 """
 
 
+@pytest.mark.slow  # a fresh TensorFlow + tf_keras process: 1-2.5 minutes on 2 shared cores
 def test_tf_keras_fit_with_callback_equals_stock():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, TF_USE_LEGACY_KERAS="1",
