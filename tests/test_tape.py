@@ -8,6 +8,7 @@ import pytest
 import tensorflow as tf
 
 import memory_saving_gradients as msg
+from memory_saving_gradients.tfgraph import compat
 
 FALLBACK = "left to TensorFlow"
 
@@ -222,6 +223,8 @@ def test_non_persistent_tape_used_twice_raises_as_stock(weights):
 
 
 def test_tf1_optimizer_follows_the_patch():
+    module = compat.tf1_optimizer_gradients_module()
+    original = module.gradients
     graph = tf.Graph()
     with graph.as_default():
         x = tf.compat.v1.placeholder(tf.float32, [4, 8])
@@ -230,6 +233,7 @@ def test_tf1_optimizer_follows_the_patch():
         optimizer = tf.compat.v1.train.GradientDescentOptimizer(0.1)
         with msg.checkpointing("memory"):
             ours = optimizer.compute_gradients(loss, [w])[0][0]
+        assert module.gradients is original  # restored on leaving the block
         stock = optimizer.compute_gradients(loss, [w])[0][0]
         assert any("recompute_" in op.name for op in graph.get_operations())
         with tf.compat.v1.Session() as sess:
