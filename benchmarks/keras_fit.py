@@ -24,7 +24,10 @@ import sys
 from examples import keras_models
 
 METHODS = {"fit": None, "fit + Checkpointing(memory)": "memory",
-           "fit + Checkpointing(speed)": "speed"}
+           "fit + Checkpointing(speed)": "speed",
+           # The same step without the tape: gradients(memory) called directly, to show
+           # what the integration costs (nothing, if it equals Checkpointing(memory)).
+           "fit, train_step calling gradients(memory)": "direct"}
 MODELS = ("cnn", "bert")
 RESULTS = os.path.join(os.path.dirname(__file__), "results", "keras_fit.json")
 
@@ -60,8 +63,11 @@ def measure(model_name, checkpoints, steps):
     logging.getLogger("memory_saving_gradients").setLevel(logging.INFO)
 
     model, x, y = build(model_name)
+    if checkpoints == "direct":
+        object.__setattr__(model, "train_step", _direct_train_step(model))
     meter = keras_models.step_meter()
-    callbacks = [meter] + ([msg_keras.Checkpointing(checkpoints)] if checkpoints else [])
+    callbacks = [meter] + ([msg_keras.Checkpointing(checkpoints)]
+                           if checkpoints in ("memory", "speed") else [])
     model.fit(np.concatenate([x] * steps), np.concatenate([y] * steps), batch_size=len(x),
               epochs=1, verbose=0, shuffle=False, callbacks=callbacks)
     peak, step_s = meter.summary()
@@ -70,6 +76,20 @@ def measure(model_name, checkpoints, steps):
     return {"peak_mib": peak / 2**20, "step_s": step_s,
             "grad_mib": sum(w.numpy().nbytes for w in model.trainable_weights) / 2**20,
             "simulated_ratio": simulated[-1] if simulated else None}
+
+
+def _direct_train_step(model):
+    """Keras's train step, with gradients(memory) in place of the tape."""
+    import memory_saving_gradients as msg
+
+    def train_step(data):
+        x, y = data
+        loss = model.compute_loss(x=x, y=y, y_pred=model(x, training=True))
+        weights = model.trainable_weights
+        grads = msg.gradients(loss, weights, checkpoints="memory")
+        model.optimizer.apply_gradients(zip(grads, weights))
+        return {"loss": loss}
+    return train_step
 
 
 def run_child(model_name, method, steps):
@@ -86,6 +106,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--methods", default=";".join(METHODS),
+                        help="';'-separated; ratios are against the first")
+    parser.add_argument("--out", default=RESULTS)
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -94,7 +117,7 @@ def main(argv=None):
     rows = []
     for model_name in args.models.split(","):
         stock = None
-        for method in METHODS:
+        for method in args.methods.split(";"):
             row = {"model": model_name, "method": method,
                    **run_child(model_name, method, args.steps)}
             stock = stock or row
@@ -107,7 +130,7 @@ def main(argv=None):
                   f"activations x{row['activation_ratio']:.2f} (planner "
                   f"{row['simulated_ratio'] if row['simulated_ratio'] is not None else '-'}) "
                   f"step {row['step_s']:.3f} s x{row['time_ratio']:.2f}", flush=True)
-    with open(RESULTS, "w", encoding="utf-8") as f:
+    with open(args.out, "w", encoding="utf-8") as f:
         json.dump(rows, f, indent=1)
 
 

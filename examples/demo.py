@@ -60,8 +60,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
     msg.enable_cpu_allocator_stats()  # before TensorFlow's first op picks the allocator
     import tensorflow as tf
-    print(f"model.fit of {args.model} ({'MobileNetV2, 96x96 images' if args.model == 'cnn' else 'BERT-like, 128 tokens'}), "
-          f"batch {args.batch}, {args.steps} steps per method, TensorFlow {tf.__version__}\n")
+    what = "MobileNetV2, 96x96 images" if args.model == "cnn" else "BERT-like, 128 tokens"
+    print(f"model.fit of {args.model} ({what}), batch {args.batch}, {args.steps} steps per "
+          f"method, TensorFlow {tf.__version__}\n")
     rows = run(args.model, args.batch, args.steps)
     base_act, base_time = rows[0][1] - rows[0][3], rows[0][2]
     print(f"{'callback':<24} {'peak MiB':>9} {'activations MiB':>16} {'vs stock':>9} "

@@ -5,7 +5,7 @@ import time
 
 
 def mobilenet(size=32, classes=4):
-    """keras.applications.MobileNetV2 (batch norm, depthwise convolutions), alpha 0.35, no weights."""
+    """keras.applications.MobileNetV2 (batch norm, depthwise convolutions), alpha 0.35, untrained."""
     import keras
     return keras.applications.MobileNetV2(input_shape=(size, size, 3), alpha=0.35,
                                           weights=None, classes=classes,

@@ -16,6 +16,7 @@ import tensorflow as tf
 
 import memory_saving_gradients as msg
 import memory_saving_gradients.keras as msg_keras
+from memory_saving_gradients.integrations import keras as keras_hook
 from examples.keras_models import bert_like, mobilenet
 
 RNG = np.random.RandomState(0)
@@ -65,8 +66,7 @@ def fit_vs_stock(build, x, y, caplog, compile_kwargs=None, fit_kwargs=None, poli
 
 
 def _enabled(model):
-    from memory_saving_gradients.integrations import keras as hook  # pylint: disable=import-outside-toplevel
-    return hook.enabled_checkpoints(model) is not None
+    return keras_hook.enabled_checkpoints(model) is not None
 
 
 def mlp(dropout=0.2):

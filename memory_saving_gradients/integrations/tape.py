@@ -138,7 +138,8 @@ def _plan_call(tape, target, sources, output_gradients, unconnected):
     if record.in_jacobian:
         return "jacobian/batch_jacobian", None
     if tape._recording:  # pylint: disable=protected-access
-        return "persistent tape still recording (its gradient would be recorded: higher order)", None
+        return ("persistent tape still recording (its gradient would be recorded: "
+                "higher order)", None)
     if compat.any_tape_recording():
         return "another GradientTape or ForwardAccumulator is recording (higher order)", None
     if graph not in record.spans:
@@ -210,7 +211,7 @@ def _plain(graph, tensor):
 
 
 def _tracked(tape, record, graph):
-    """ids of the tensors of `graph` the tape tracks: watched, or made from watched by recorded ops."""
+    """ids of the tensors of `graph` the tape tracks: watched, or made from them by recorded ops."""
     handles = [captures.local_tensor(graph, v.handle) for v in tape.watched_variables()]
     seeds = [captures.local_tensor(graph, t) for t in record.watched] + handles
     tracked = {id(t) for t in seeds if t is not None}

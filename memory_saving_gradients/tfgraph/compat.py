@@ -25,7 +25,7 @@ def any_tape_recording() -> bool:
 
 
 def zeros_gradient(tensor):
-    """The zero gradient tf.gradients gives an unconnected `tensor` (a handle: its variable's shape)."""
+    """The zero gradient tf.gradients gives an unconnected `tensor` (a handle: its variable's)."""
     return _default_gradient.zeros_like(tensor)
 
 
