@@ -31,8 +31,7 @@ class _Replaced:
 
 def check_keras_checkpoints(checkpoints) -> None:
     """`gradients`' check, plus: Keras steps take a mode, not a list of tensors."""
-    api.check_checkpoints(checkpoints)
-    if not isinstance(checkpoints, str):
+    if api.validate_checkpoints(checkpoints) == "list":
         raise TypeError(
             f"Keras checkpointing takes a mode ({', '.join(map(repr, api.MODES))}), got "
             f"{type(checkpoints).__name__}: the tensors of a Keras training step exist only "

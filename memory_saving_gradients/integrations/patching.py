@@ -24,14 +24,14 @@ _TARGETS = ((tf, "gradients"), (tf.compat.v1, "gradients"),
 _saved = []  # stack of (checkpoints, the functions it replaced), for nesting
 
 
-def patch_tf_gradients(checkpoints="memory"):
+def patch_tf_gradients(checkpoints="memory") -> None:
     """Makes tf.gradients, tf.compat.v1.gradients, the TF1 optimizers and
     GradientTape.gradient inside tf.function checkpoint with `checkpoints`.
 
     `checkpoints` is any value `gradients` accepts ('memory', 'speed',
     'collection' or a list of tensors). Undo with `unpatch_tf_gradients()`.
     """
-    api.check_checkpoints(checkpoints)
+    api.validate_checkpoints(checkpoints)
     tape.install(active_checkpoints)
     replacement = tf.autograph.experimental.do_not_convert(
         functools.partial(api.gradients, checkpoints=checkpoints))
@@ -40,7 +40,7 @@ def patch_tf_gradients(checkpoints="memory"):
         setattr(module, name, replacement)
 
 
-def unpatch_tf_gradients():
+def unpatch_tf_gradients() -> None:
     """Restores the functions the most recent `patch_tf_gradients` replaced."""
     if not _saved:
         raise RuntimeError("tf.gradients is not patched by memory_saving_gradients; "

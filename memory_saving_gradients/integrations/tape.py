@@ -182,7 +182,7 @@ def _answer(targets, sources, given, tracked, grad_ys, unconnected, checkpoints)
 
 def _zeros(source, given):
     if source is not None:
-        return compat.zeros_gradient(source)
+        return compat.zeros_like_gradient(source)
     return tf.zeros(given.shape, given.dtype)  # a variable the graph never read
 
 

@@ -71,7 +71,7 @@ def beyond(entries: Sequence[Tuple[tf.Tensor, tf.Tensor]], entry_grads: Sequence
     reached = [(external, g) for (external, _), g in zip(entries, entry_grads) if g is not None]
     if not reached:
         zero = unconnected == tf.UnconnectedGradients.ZERO
-        return [compat.zeros_gradient(x) if zero else None for x in xs]
+        return [compat.zeros_like_gradient(x) if zero else None for x in xs]
     return compat.stock_gradients([e for e, _ in reached], list(xs),
                                   grad_ys=[g for _, g in reached],
                                   unconnected_gradients=unconnected)
