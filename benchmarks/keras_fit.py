@@ -7,7 +7,7 @@ every training batch and reads the peak after it; batches after the first
 for the same train step is read from the plan `gradients` logs while Keras
 traces it.
 
-    python -m benchmarks.keras_fit                    # both models, ~5 min on 2 cores
+    python -m benchmarks.keras_fit                    # both models: 10-40 min on 2 shared cores
     python -m benchmarks.keras_fit --models cnn --steps 4
 
 Writes benchmarks/results/keras_fit.json and prints a table.
@@ -131,7 +131,7 @@ def main(argv=None):
                   f"{row['simulated_ratio'] if row['simulated_ratio'] is not None else '-'}) "
                   f"step {row['step_s']:.3f} s x{row['time_ratio']:.2f}", flush=True)
     with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(rows, f, indent=1)
+        json.dump({"rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
