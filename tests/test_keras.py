@@ -227,6 +227,22 @@ def test_bad_input():
     msg_keras.disable(model)
 
 
+def test_fit_after_a_fit_that_raised():
+    model = mlp()
+    model.compile(optimizer="sgd", loss="mse")
+
+    class Stop(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            raise KeyboardInterrupt  # Keras skips on_train_end
+
+    with pytest.raises(KeyboardInterrupt):
+        model.fit(FEATURES, FEATURES[:, :4], verbose=0,
+                  callbacks=[msg_keras.Checkpointing("speed"), Stop()])
+    assert _enabled(model)
+    model.fit(FEATURES, FEATURES[:, :4], verbose=0, callbacks=[msg_keras.Checkpointing("memory")])
+    assert not _enabled(model)
+
+
 def test_disable_never_enabled_warns(caplog):
     model = mlp()
     with caplog.at_level(logging.WARNING, logger="memory_saving_gradients"):

@@ -27,6 +27,7 @@ class _Replaced:
     def __init__(self, checkpoints, own_train_step):
         self.checkpoints = checkpoints
         self.own_train_step = own_train_step  # an instance attribute the user set, or None
+        self.by_callback = False  # set by Checkpointing, whose fit may end without on_train_end
 
 
 def check_keras_checkpoints(checkpoints) -> None:
@@ -124,7 +125,12 @@ class Checkpointing(tf.keras.callbacks.Callback):
         self.checkpoints = checkpoints
 
     def on_train_begin(self, logs=None):
+        left = getattr(self.model, _ENABLED, None)
+        if left is not None and left.by_callback:
+            # A fit that raised skips on_train_end: that callback's enable is undone here.
+            disable(self.model)
         enable(self.model, self.checkpoints)
+        getattr(self.model, _ENABLED).by_callback = True
 
     def on_train_end(self, logs=None):
         disable(self.model)
