@@ -177,6 +177,26 @@ class Ours(TfGradients):
         return msg.gradients(loss, xs, checkpoints=self._checkpoints_arg())
 
 
+class OursTape(GradientTape):
+    """The stock tape step with memory_saving_gradients.checkpointing(mode) active.
+
+    What Keras `fit` with the Checkpointing callback runs: the tape hook
+    answers `tape.gradient` with our rewrite (benchmarks/keras_fit.py
+    measures `fit` itself).
+    """
+    ours = True
+
+    def __init__(self, mode):
+        super().__init__()
+        self.mode = mode
+        self.name = f"ours.tape({mode})"
+
+    def gradients(self, model, inputs, labels):
+        import memory_saving_gradients as msg
+        with msg.checkpointing(self.mode):
+            return super().gradients(model, inputs, labels)
+
+
 class OursBudget(Ours):
     """checkpoints=budget(share x tf.gradients' activation memory, as the planner predicts it).
 
@@ -210,6 +230,7 @@ def _registry():
     methods += [lambda m=m: KerasRemat(m)
                 for m in ("full", "activations", "larger_than", "list_of_layers")]
     methods += [lambda m=m: Ours(m) for m in ("memory", "speed", "collection", "list")]
+    methods += [lambda: OursTape("memory")]
     methods += [lambda s=s: OursBudget(s) for s in BUDGET_SHARES]
     return {factory().name: factory for factory in methods}
 

@@ -14,7 +14,8 @@ import networkx as nx
 
 from memory_saving_gradients.core import budgets
 from memory_saving_gradients.core import strategies
-from memory_saving_gradients.tfgraph.reading import GraphModel
+from memory_saving_gradients.core.model import Activation
+from memory_saving_gradients.core.model import GraphModel
 
 MIB = 2**20
 
@@ -22,11 +23,12 @@ MIB = 2**20
 def residual_model(blocks, inner=8):
     """GraphModel of x_{k+1} = x_k + matmul(f_k(x_k)), f_k a chain of `inner` ops."""
     graph = nx.DiGraph()
-    order = []
+    order, tensors = [], {}
 
     def add(name, op_type, reads, cost=MIB // 4):
-        graph.add_node(name, op=name, op_type=op_type, bytes=MIB, cost=cost,
-                       recomputable=True, float=True)
+        graph.add_node(name)
+        tensors[name] = Activation(name=name, op=name, op_type=op_type, bytes=MIB, cost=cost,
+                                   recomputable=True, is_float=True)
         graph.add_edges_from((r, name) for r in reads)
         order.append(name)
 
@@ -38,9 +40,9 @@ def residual_model(blocks, inner=8):
             prev = f"b{k}/op{i}"
         add(f"b{k}/mm", "MatMul", [prev], cost=MIB * 64)
         add(f"x{k + 1}", "AddV2", [f"x{k}", f"b{k}/mm"])
-    return GraphModel(graph=graph, order=tuple(order), pinned=frozenset(),
-                      ys=(order[-1],), op_outputs={n: (n,) for n in order}, other_bytes=0,
-                      region=frozenset(order), num_region_ops=len(order))
+    return GraphModel(graph=graph, tensors=tensors, order=tuple(order), pinned=frozenset(),
+                      ys=(order[-1],), op_outputs={n: (n,) for n in order},
+                      num_region_ops=len(order))
 
 
 def timed(label, strategy, model):
@@ -59,10 +61,10 @@ def main():
     args = parser.parse_args()
     model = residual_model(args.blocks)
     print(f"{len(model.order)} ops, tf.gradients keeps "
-          f"{model.tensor_bytes(model.order) / MIB:.0f} MiB of activations")
+          f"{model.bytes_of(model.order) / MIB:.0f} MiB of activations")
     timed("memory", "memory", model)
     timed("speed", "speed", model)
-    baseline = model.tensor_bytes(model.order)
+    baseline = model.bytes_of(model.order)
     for share in (0.3, 0.5, 0.7):
         timed(f"budget {share:.0%}", budgets.budget(share * baseline), model)
 

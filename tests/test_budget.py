@@ -6,12 +6,12 @@ import pytest
 import tensorflow as tf
 
 import memory_saving_gradients as msg
-from conftest import Model
-from conftest import assert_matches_stock
-from conftest import gradients_vs_stock
+from harness import Model
+from harness import assert_matches_stock
+from harness import gradients_vs_stock
+from models import dense_layers as _dense_layers
+from models import normal as _normal
 from test_models import _batch_norm
-from test_models import _dense_layers
-from test_models import _normal
 
 UNIT = 250_000  # floats: 1 MB per tensor
 MB = 1_000_000
@@ -19,7 +19,7 @@ MB = 1_000_000
 
 def half_of_tf_gradients(model):
     """A custom strategy composing a budget: half of tf.gradients' predicted memory."""
-    return msg.budget(0.5 * model.tensor_bytes(model.order))(model)
+    return msg.budget(0.5 * model.bytes_of(model.order))(model)
 
 
 def every_other_activation(model):

@@ -25,6 +25,8 @@ import dataclasses
 
 import numpy as np
 
+from memory_saving_gradients.core.model import GraphModel
+
 
 @dataclasses.dataclass(frozen=True)
 class CutProblem:
@@ -57,7 +59,7 @@ class CutProblem:
         return int(self.op_bytes.sum())
 
 
-def from_model(model, max_cuts=None, cut_after=None) -> CutProblem:
+def from_model(model: GraphModel, max_cuts=None, cut_after=None) -> CutProblem:
     """The cut problem of a core GraphModel (one entry per op of `model.order`).
 
     `max_cuts` limits the candidate cuts (all op boundaries when None): the
@@ -65,8 +67,8 @@ def from_model(model, max_cuts=None, cut_after=None) -> CutProblem:
     cheapest position of each (fewest bytes alive across it) is a candidate.
     `cut_after(op_type)`: ops after which a cut is always a candidate.
     """
-    nodes = model.graph.nodes
-    ops = tuple(dict.fromkeys(nodes[n]["op"] for n in model.order))
+    tensors = model.tensors
+    ops = tuple(dict.fromkeys(tensors[n].op for n in model.order))
     position = {op: i for i, op in enumerate(ops)}
     end = len(ops)
     op_bytes = np.zeros(end, np.int64)
@@ -75,17 +77,17 @@ def from_model(model, max_cuts=None, cut_after=None) -> CutProblem:
     always = np.zeros(end, bool)
     ys, pinned = set(model.ys), model.pinned
     for name in model.order:
-        i = position[nodes[name]["op"]]
-        op_bytes[i] += nodes[name]["bytes"]
-        op_cost[i] = nodes[name]["cost"]
-        readers = [position[nodes[s]["op"]] for s in model.graph.successors(name)]
+        i = position[tensors[name].op]
+        op_bytes[i] += tensors[name].bytes
+        op_cost[i] = tensors[name].cost
+        readers = [position[tensors[s].op] for s in model.graph.successors(name)]
         last_use[i] = max([last_use[i], *readers, end if name in ys else 0])
         always[i] |= name in pinned or name in ys
     problem = make_problem(ops, op_bytes, op_cost, last_use, always, max_cuts)
     if cut_after is None:
         return problem
     wanted = [i for i, op in enumerate(ops[:-1])
-              if cut_after(nodes[model.op_outputs[op][0]]["op_type"])]
+              if cut_after(tensors[model.op_outputs[op][0]].op_type)]
     return dataclasses.replace(problem, cuts=np.union1d(problem.cuts, wanted).astype(np.int64))
 
 

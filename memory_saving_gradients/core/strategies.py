@@ -26,6 +26,7 @@ from memory_saving_gradients.core import planning
 from memory_saving_gradients.core import pricing
 from memory_saving_gradients.core import simulation
 from memory_saving_gradients.core import solvers
+from memory_saving_gradients.core.model import GraphModel
 
 logger = logging.getLogger(__name__)
 
@@ -65,19 +66,19 @@ class Result:
         return self.estimate.recompute_flops
 
 
-def result_of(model, names, strategy, notes=(), feasible=True) -> Result:
+def result_of(model: GraphModel, names, strategy, notes=(), feasible=True) -> Result:
     """Plans and prices keeping `names`: the common end of every strategy."""
     plan = planning.make_plan(model, names, strategy, notes)
     return Result(strategy=strategy, chosen=plan.chosen, feasible=feasible,
                   notes=tuple(notes), plan=plan, estimate=pricing.predict(model, plan))
 
 
-def explicit(model, names, strategy="list") -> Result:
+def explicit(model: GraphModel, names, strategy="list") -> Result:
     """Keeps exactly `names` (activation tensor names of `model`)."""
     return result_of(model, {n for n in names if n in model.graph}, strategy)
 
 
-def memory(model) -> Result:
+def memory(model: GraphModel) -> Result:
     """Keeps the tensors alive across the cuts of least peak (ties: least recompute).
 
     Example: on a 100-layer tanh chain it keeps about 10 tensors, spaced so the
@@ -86,16 +87,16 @@ def memory(model) -> Result:
     return _solved(model, "memory", None)
 
 
-def speed(model) -> Result:
+def speed(model: GraphModel) -> Result:
     """Least peak among the plans that recompute no matmul, convolution or einsum.
 
     Each op is in one interval, so it is recomputed at most once; the plan
     with no cut (tf.gradients' own memory) is among those searched.
     """
-    nodes = model.graph.nodes
+    tensors = model.tensors
     # Right after an expensive op is where a plan keeps its output.
     problem = cuts.from_model(model, MAX_CUTS, EXPENSIVE_OP_TYPES.__contains__)
-    expensive = np.array([nodes[model.op_outputs[op][0]]["op_type"] in EXPENSIVE_OP_TYPES
+    expensive = np.array([tensors[model.op_outputs[op][0]].op_type in EXPENSIVE_OP_TYPES
                           for op in problem.ops], bool)
     result = _solved(model, "speed", expensive, problem)
     if result.peak_bytes <= result.estimate.baseline_bytes:
@@ -105,7 +106,7 @@ def speed(model) -> Result:
         f"({result.peak_bytes / 2**20:.1f} MiB); kept only what must be kept",))
 
 
-def cut_problem(model):
+def cut_problem(model: GraphModel):
     return cuts.from_model(model, max_cuts=MAX_CUTS)
 
 
@@ -119,37 +120,57 @@ def _solved(model, name, forbidden, problem=None):
     return result_of(model, names, name, (note,))
 
 
-def tensors_of(model, ops):
+def tensors_of(model: GraphModel, ops):
     """Activation tensor names of `ops`, ys left out (backprop starts from them)."""
     ys = set(model.ys)
     return {t for op in ops for t in model.op_outputs[op] if t not in ys}
 
 
 STRATEGIES = {"memory": memory, "speed": speed}
+# Every `checkpoints` mode name; 'collection' keeps the names the caller read
+# from the graph's collection, a list (mode 'list') the names given.
+MODES = ("collection", "memory", "speed")
 
 
-def run(model, checkpoints, list_name="list") -> Result:
-    """Runs the strategy `checkpoints` names or is, and logs what it chose.
+def validate(checkpoints) -> str:
+    """The mode of a `checkpoints` argument: a mode name, 'custom' for a
+    callable (budgets included), 'list' for a sequence.
 
-    Args:
-      checkpoints: a registered name, a callable strategy, or a sequence of
-        activation tensor names (kept as given, reported as `list_name`).
+    The one place an unknown mode is refused, for every way in.
     """
     if isinstance(checkpoints, str):
-        if checkpoints not in STRATEGIES:
+        if checkpoints not in MODES:
             raise ValueError(f"unknown checkpoints mode {checkpoints!r}: use one of "
-                             f"{', '.join(map(repr, sorted(STRATEGIES)))}")
-        result = STRATEGIES[checkpoints](model)
-    elif callable(checkpoints):
-        result = _custom(model, checkpoints)
+                             f"{', '.join(map(repr, MODES))}, a list of tensors, "
+                             f"budget(max_bytes) or a callable strategy")
+        return checkpoints
+    return "custom" if callable(checkpoints) else "list"
+
+
+def select(model: GraphModel, mode: str, names=(), strategy=None) -> Result:
+    """Runs the strategy of `mode` and logs what it chose.
+
+    'collection' and 'list' keep exactly `names`; 'custom' runs `strategy`.
+    """
+    if mode in STRATEGIES:
+        result = STRATEGIES[mode](model)
+    elif mode == "custom":
+        result = _custom(model, strategy)
     else:
-        result = explicit(model, checkpoints, list_name)
+        result = explicit(model, names, mode)
     logger.info("memory_saving_gradients: strategy %s keeps %d tensors; %s",
                 result.strategy, len(result.chosen), "; ".join(result.notes) or "-")
     return result
 
 
-def _custom(model, strategy) -> Result:
+def run(model: GraphModel, checkpoints) -> Result:
+    """`select` for a `checkpoints` value that needs no graph: a mode name
+    other than 'collection', a callable, or a sequence of activation names."""
+    mode = validate(checkpoints)
+    return select(model, mode, () if mode == "custom" else checkpoints, checkpoints)
+
+
+def _custom(model: GraphModel, strategy) -> Result:
     """Runs a user's strategy and checks that it names activations of `model`."""
     name = getattr(strategy, "__name__", None) or repr(strategy)
     picked = strategy(model)
