@@ -95,6 +95,7 @@ def milp_least_recompute(problem, budget):
     return found.fun if found.success else None
 
 
+@pytest.mark.slow  # HiGHS on up to 60 ops, 12 examples: about 1-4 minutes on 2 shared cores
 @hypothesis.settings(max_examples=12, deadline=None)
 @hypothesis.given(problem=problems(), share=st.floats(0, 1))
 def test_budgeted_recompute_matches_the_milp_optimum(problem, share):
