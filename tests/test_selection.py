@@ -6,7 +6,6 @@ import networkx as nx
 import pytest
 
 from memory_saving_gradients.core import planning
-from memory_saving_gradients.core import simulation
 from memory_saving_gradients.core import strategies
 from memory_saving_gradients.core.model import Activation
 from memory_saving_gradients.core.model import GraphModel

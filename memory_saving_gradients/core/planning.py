@@ -131,7 +131,7 @@ def make_plan(model: GraphModel, chosen: Iterable[str], strategy: str, notes=())
 def _layers(deps, rank):
     """Checkpoints grouped by their longest chain of dependencies, first layer first.
 
-    The layers toposort.toposort gives, in one pass over the topological
+    The layers a Kahn-style topological sort gives, in one pass over the topological
     order instead of one pass per layer (thousands of layers on deep nets).
     """
     depth = {}
