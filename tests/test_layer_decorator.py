@@ -20,34 +20,7 @@ import memory_saving_gradients as msg
 from memory_saving_gradients import api
 from memory_saving_gradients.integrations import layer_decorator
 from memory_saving_gradients.keras import recompute_grad
-
-WIDTH = 16
-
-
-class Block(keras.layers.Layer):
-    """Dense -> dropout -> batch norm -> dense, residual: variables, training=, state."""
-
-    def __init__(self, units=WIDTH, dropout=0.3, batch_norm=True, **kwargs):
-        super().__init__(**kwargs)
-        self.inner = keras.layers.Dense(units, activation="relu")
-        self.dropout = keras.layers.Dropout(dropout, seed=1) if dropout else None
-        self.norm = keras.layers.BatchNormalization() if batch_norm else None
-        self.outer = keras.layers.Dense(units)
-
-    def call(self, x, training=None):
-        h = self.inner(x)
-        if self.dropout is not None:
-            h = self.dropout(h, training=training)
-        if self.norm is not None:
-            h = self.norm(h, training=training)
-        return x + self.outer(h)
-
-
-class RecomputedBlock(Block):
-    @recompute_grad
-    def call(self, x, training=None):
-        return super().call(x, training=training)
-
+from keras_blocks import WIDTH, Block, RecomputedBlock, build_model, data, switched
 
 class Outer(keras.layers.Layer):
     """A decorated layer holding decorated blocks (nested segments)."""
@@ -66,24 +39,6 @@ class RecomputedOuter(Outer):
         return super().call(x, training=training)
 
 
-def build_model(block, num_blocks=3, optimizer=None, **block_kwargs):
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((WIDTH,))
-    h = inputs
-    for i in range(num_blocks):
-        h = block(name=f"block{i}", **block_kwargs)(h)
-    model = keras.Model(inputs, keras.layers.Dense(1, name="head")(h))
-    model.compile(optimizer=optimizer or keras.optimizers.SGD(0.1), loss="mse",
-                  jit_compile=False)
-    return model
-
-
-def data(batch=32):
-    rng = np.random.default_rng(0)
-    return (rng.normal(size=(batch, WIDTH)).astype("float32"),
-            rng.normal(size=(batch, 1)).astype("float32"))
-
-
 @pytest.fixture
 def count_segments(monkeypatch):
     """Counts the segment gradients our decorator builds (api.gradients calls)."""
@@ -100,18 +55,9 @@ def count_segments(monkeypatch):
 def fit(model, on, epochs=1, batch_size=8, run_eagerly=False):
     x, y = data()
     model.run_eagerly = run_eagerly
-    switch = msg.checkpointing() if on else _nothing()
-    with switch:  # in force while fit traces its train function
+    with switched(on):
         model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0)
     return [w.numpy() for w in model.weights]
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def assert_same_weights(got, want, rtol=0.0, atol=0.0):
@@ -239,7 +185,7 @@ def test_fit_with_mask_keyword():
     models = {}
     for on, pool in ((False, Pool), (True, RecomputedPool)):
         models[on] = build(pool)
-        with (msg.checkpointing() if on else _nothing()):
+        with switched(on):
             models[on].fit(ids, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
     assert_same_weights([w.numpy() for w in models[True].weights],
                         [w.numpy() for w in models[False].weights], rtol=1e-6, atol=1e-7)
