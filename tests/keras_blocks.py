@@ -41,15 +41,15 @@ class RecomputedBlock(Block):
         return super().call(x, training=training)
 
 
-def build_model(block, num_blocks=3, optimizer=None, **block_kwargs):
+def build_model(block, num_blocks=3, optimizer=None, jit_compile=False, **block_kwargs):
     keras.utils.set_random_seed(0)
     inputs = keras.Input((WIDTH,))
     h = inputs
     for i in range(num_blocks):
         h = block(name=f"block{i}", **block_kwargs)(h)
     model = keras.Model(inputs, keras.layers.Dense(1, name="head")(h))
-    model.compile(optimizer=optimizer or keras.optimizers.SGD(0.1), loss="mse",
-                  jit_compile=False)
+    model.compile(optimizer=optimizer or keras.optimizers.SGD(0.01), loss="mse",
+                  jit_compile=jit_compile)
     return model
 
 
@@ -66,3 +66,11 @@ def switched(on):
     around the `fit` call.
     """
     return msg.checkpointing() if on else contextlib.nullcontext()
+
+
+def assert_same_weights(got, want, rtol=0.0, atol=0.0):
+    """Equal within tolerance, and finite (NaNs would compare equal)."""
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert np.isfinite(w).all(), "the reference diverged: lower the learning rate"
+        np.testing.assert_allclose(g, w, rtol=rtol, atol=atol)

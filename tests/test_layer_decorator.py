@@ -20,7 +20,8 @@ import memory_saving_gradients as msg
 from memory_saving_gradients import api
 from memory_saving_gradients.integrations import layer_decorator
 from memory_saving_gradients.keras import recompute_grad
-from keras_blocks import WIDTH, Block, RecomputedBlock, build_model, data, switched
+from keras_blocks import (WIDTH, Block, RecomputedBlock, assert_same_weights, build_model,
+                          data, switched)
 
 class Outer(keras.layers.Layer):
     """A decorated layer holding decorated blocks (nested segments)."""
@@ -58,12 +59,6 @@ def fit(model, on, epochs=1, batch_size=8, run_eagerly=False):
     with switched(on):
         model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0)
     return [w.numpy() for w in model.weights]
-
-
-def assert_same_weights(got, want, rtol=0.0, atol=0.0):
-    assert len(got) == len(want)
-    for g, w in zip(got, want):
-        np.testing.assert_allclose(g, w, rtol=rtol, atol=atol)
 
 
 # --- the switch ---------------------------------------------------------------
@@ -129,6 +124,13 @@ def test_fit_switched_on_matches_undecorated(count_segments):
     assert len(count_segments) == 3  # one recomputed segment per block
     # Same masks (dropout), moving statistics updated once (batch norm).
     assert_same_weights(got, want, rtol=1e-6, atol=1e-7)
+
+
+def test_fit_under_xla(count_segments):
+    want = fit(build_model(Block, jit_compile=True), on=False, epochs=2)
+    got = fit(build_model(RecomputedBlock, jit_compile=True), on=True, epochs=2)
+    assert len(count_segments) == 3
+    assert_same_weights(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_switched_off_builds_the_undecorated_ops(count_segments):
