@@ -15,7 +15,11 @@ one batch, timed and its
 allocator peak taken (peak above the memory in use at its start), medians
 kept. Activation memory is peak minus the weight-gradient bytes. A second
 subprocess per method searches the largest batch whose `fit` step peaks under
-the cap (benchmarks.search.max_batch).
+the cap (benchmarks.search.max_batch). With --accumulation-steps N, ours runs
+once more with Keras gradient accumulation (SGD, gradient_accumulation_steps=N):
+the step peak at the same micro-batch, and the largest micro-batch (the
+effective batch is N times it); the weights check then compares a
+non-update step (zero update) and is not meaningful.
 """
 
 import argparse
@@ -33,7 +37,8 @@ METHODS = ("stock", "ours(@recompute_grad)", "keras.RematScope(list_of_layers)",
 LEARNING_RATE = 1e-3
 
 
-def build(method, layers, seq, hidden=128, heads=4, ffn=512, vocab=1000, dropout=0.1):
+def build(method, layers, seq, accumulation_steps=None, hidden=128, heads=4, ffn=512,
+          vocab=1000, dropout=0.1):
     """The encoder for `method`, compiled for fit (SGD, no XLA), fixed seeds."""
     import contextlib
 
@@ -91,7 +96,9 @@ def build(method, layers, seq, hidden=128, heads=4, ffn=512, vocab=1000, dropout
         for name in names:
             h = block(name=name)(h)
         model = keras.Model(ids, keras.layers.Dense(vocab)(h))
-    model.compile(optimizer=keras.optimizers.SGD(LEARNING_RATE), jit_compile=False,
+    optimizer = keras.optimizers.SGD(LEARNING_RATE,
+                                     gradient_accumulation_steps=accumulation_steps)
+    model.compile(optimizer=optimizer, jit_compile=False,
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     return model
 
@@ -128,7 +135,7 @@ def update_rel_err(model, twin, initial):
 def measure(job):
     """One method beside its stock twin: correctness, peak and time per fit step."""
     row = dict(job, status="ok")
-    model = build(job["method"], job["layers"], job["seq"])
+    model = build(job["method"], job["layers"], job["seq"], job.get("accumulation_steps"))
     x, y = data(job["batch"], job["seq"])
     initial = [w.numpy() for w in model.weights]
     fit_step(model, x, y)  # trace + first update
@@ -160,7 +167,7 @@ def measure_max_batch(job):
     """Largest batch whose fit step peaks under job['cap_bytes']."""
     from benchmarks import search
     row = dict(job, status="ok")
-    model = build(job["method"], job["layers"], job["seq"])
+    model = build(job["method"], job["layers"], job["seq"], job.get("accumulation_steps"))
     errors = {}
 
     def peak(batch):
@@ -209,22 +216,68 @@ def main(argv=None):
     parser.add_argument("--cap-mb", type=float, default=256)
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--no-max-batch", action="store_true")
-    parser.add_argument("--out", default="benchmarks/results/layer_decorator")
+    parser.add_argument("--accumulation-steps", type=int, default=0,
+                        help="also run ours with Keras gradient accumulation over N steps")
+    parser.add_argument("--out", default="benchmarks/results/layer_decorator",
+                        help="writes OUT.jsonl (rows) and OUT.md (table)")
+    parser.add_argument("--append", action="store_true",
+                        help="add the rows to OUT.jsonl instead of replacing it")
     args = parser.parse_args(argv)
     if args.worker:
         return worker_main(json.loads(args.worker))
     rows = []
     base = dict(layers=args.layers, seq=args.seq, batch=args.batch)
-    for method in args.methods.split(","):
-        rows.append(run_worker(dict(base, kind="measure", method=method, steps=args.steps)))
+    runs = [dict(base, method=m) for m in args.methods.split(",") if m]
+    if args.accumulation_steps:
+        runs.append(dict(base, method=METHODS[1], accumulation_steps=args.accumulation_steps))
+    for run in runs:
+        rows.append(run_worker(dict(run, kind="measure", steps=args.steps)))
         print(json.dumps(rows[-1]), flush=True)
         if not args.no_max_batch:
-            rows.append(run_worker(dict(base, kind="max_batch", method=method,
+            rows.append(run_worker(dict(run, kind="max_batch",
                                         cap_bytes=int(args.cap_mb * 2**20))))
             print(json.dumps(rows[-1]), flush=True)
-    with open(args.out + ".jsonl", "w") as f:
+    with open(args.out + ".jsonl", "a" if args.append else "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
+    with open(args.out + ".jsonl") as f:
+        all_rows = [json.loads(line) for line in f]
+    with open(args.out + ".md", "w") as f:
+        f.write(table(all_rows))
     return None
+
+
+def table(rows):
+    """Markdown: one line per method run, its measure and max-batch rows joined."""
+    def name(row):
+        steps = row.get("accumulation_steps")
+        return row["method"] + (f" + accumulation({steps})" if steps else "")
+    found = {}
+    for row in rows:
+        found.setdefault(name(row), {})[row["kind"]] = row
+    stock_batch = found.get("stock", {}).get("max_batch", {}).get("max_batch")
+    lines = ["| method | activation MiB | stock twin MiB | activation ratio | step s | "
+             "time ratio | update rel. err | max batch | batch ratio | status |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for method, kinds in found.items():
+        m, b = kinds.get("measure", {}), kinds.get("max_batch", {})
+        errors = [r.get("error") for r in (m, b) if r.get("status") == "error"]
+        cells = [method, _mib(m.get("activation_bytes")), _mib(m.get("twin_activation_bytes")),
+                 _num(m.get("activation_ratio")), _num(m.get("step_s")),
+                 _num(m.get("time_ratio")), _num(m.get("update_rel_err"), "{:.1e}"),
+                 b.get("max_batch", ""),
+                 _num(b["max_batch"] / stock_batch if b.get("max_batch") and stock_batch
+                      else None),
+                 "; ".join(str(e)[:160] for e in errors) or "ok"]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _mib(value):
+    return "" if value is None else f"{value / 2**20:.1f}"
+
+
+def _num(value, fmt="{:.2f}"):
+    return "" if value is None else fmt.format(value)
 
 
 if __name__ == "__main__":
