@@ -12,6 +12,7 @@ import pytest
 import tensorflow as tf
 
 import memory_saving_gradients as msg
+import memory_saving_gradients.keras as msg_keras
 from keras_blocks import (Block, RecomputedBlock, assert_same_weights, build_model, data,
                           switched)
 
@@ -50,6 +51,17 @@ def test_fit_accumulated_micro_batches_with_recompute_grad(name):
         model.fit(x, y, batch_size=MICRO_BATCH, epochs=1, shuffle=False, verbose=0)
     assert int(model.optimizer.iterations) == UPDATES
     assert_same([w.numpy() for w in model.weights], reference_weights(name), name)
+
+
+@pytest.mark.skipif(not hasattr(msg_keras, "Checkpointing"),
+                    reason="the Keras Checkpointing callback (issue 10) is not merged yet")
+def test_fit_accumulated_micro_batches_with_callback():
+    model = build_model(RecomputedBlock, optimizer=optimizer("sgd", True), dropout=0,
+                        batch_norm=False)
+    x, y = data(MICRO_BATCH * STEPS * UPDATES)
+    model.fit(x, y, batch_size=MICRO_BATCH, epochs=1, shuffle=False, verbose=0,
+              callbacks=[msg_keras.Checkpointing("memory")])
+    assert_same([w.numpy() for w in model.weights], reference_weights("sgd"), "sgd")
 
 
 @pytest.mark.parametrize("name,way", [
