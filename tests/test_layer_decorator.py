@@ -18,6 +18,7 @@ import tensorflow as tf
 
 import memory_saving_gradients as msg
 from memory_saving_gradients import api
+from memory_saving_gradients import keras as msg_keras
 from memory_saving_gradients.integrations import layer_decorator
 from memory_saving_gradients.keras import recompute_grad
 from keras_blocks import (WIDTH, Block, RecomputedBlock, assert_same_weights, build_model,
@@ -42,12 +43,14 @@ class RecomputedOuter(Outer):
 
 @pytest.fixture
 def count_segments(monkeypatch):
-    """Counts the segment gradients our decorator builds (api.gradients calls)."""
+    """Counts the segment gradients our decorator builds: api.gradients calls
+    with a list of checkpoints (a whole-model call gets a mode)."""
     calls = []
     original = api.gradients
 
     def counting(*args, **kwargs):
-        calls.append(args[0])
+        if isinstance(kwargs.get("checkpoints"), list):
+            calls.append(args[0])
         return original(*args, **kwargs)
     monkeypatch.setattr(layer_decorator.api, "gradients", counting)
     return calls
@@ -124,6 +127,18 @@ def test_fit_switched_on_matches_undecorated(count_segments):
     assert len(count_segments) == 3  # one recomputed segment per block
     # Same masks (dropout), moving statistics updated once (batch norm).
     assert_same_weights(got, want, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.skipif(not hasattr(msg_keras, "Checkpointing"),
+                    reason="the Keras Checkpointing callback (issue 10) is not merged yet")
+def test_fit_with_checkpointing_callback_matches_undecorated(count_segments):
+    want = fit(build_model(Block), on=False, epochs=2)
+    model = build_model(RecomputedBlock)
+    x, y = data()
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
+              callbacks=[msg_keras.Checkpointing("memory")])
+    assert len(count_segments) == 3
+    assert_same_weights([w.numpy() for w in model.weights], want, rtol=1e-5, atol=1e-6)
 
 
 def test_fit_under_xla(count_segments):
