@@ -114,11 +114,15 @@ def fit_step(model, x, y):
 
 
 def timed_peak(model, x, y):
-    """(seconds, peak bytes above the start) of one fit step."""
+    """(wall seconds, peak bytes above the start, CPU seconds) of one fit step.
+
+    CPU time (of every thread of this process) is less disturbed than wall
+    time by other processes on a shared machine.
+    """
     import memory_saving_gradients as msg
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     peak, _ = msg.function_peak_bytes(fit_step, model, x, y)
-    return time.perf_counter() - start, int(peak)
+    return time.perf_counter() - start, int(peak), time.process_time() - start_cpu
 
 
 def update_rel_err(model, twin, initial):
@@ -154,11 +158,13 @@ def measure(job):
             calls[name].append(timed_peak(fitted, x, y))
         pair.reverse()  # ABBA order: neither always runs first
     for name, prefix in (("step", ""), ("twin", "twin_")):
-        times, peaks = zip(*calls[name])
+        times, peaks, cpu_times = zip(*calls[name])
         row[f"{prefix}step_s"] = statistics.median(times)
+        row[f"{prefix}step_cpu_s"] = statistics.median(cpu_times)
         row[f"{prefix}peak_bytes"] = int(statistics.median(peaks))
         row[f"{prefix}activation_bytes"] = row[f"{prefix}peak_bytes"] - grad_bytes
     row["time_ratio"] = row["step_s"] / row["twin_step_s"]
+    row["cpu_time_ratio"] = row["step_cpu_s"] / row["twin_step_cpu_s"]
     row["activation_ratio"] = row["activation_bytes"] / row["twin_activation_bytes"]
     return row
 
@@ -256,14 +262,15 @@ def table(rows):
         found.setdefault(name(row), {})[row["kind"]] = row
     stock_batch = found.get("stock", {}).get("max_batch", {}).get("max_batch")
     lines = ["| method | activation MiB | stock twin MiB | activation ratio | step s | "
-             "time ratio | update rel. err | max batch | batch ratio | status |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "time ratio | CPU time ratio | update rel. err | max batch | batch ratio | status |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for method, kinds in found.items():
         m, b = kinds.get("measure", {}), kinds.get("max_batch", {})
         errors = [r.get("error") for r in (m, b) if r.get("status") == "error"]
         cells = [method, _mib(m.get("activation_bytes")), _mib(m.get("twin_activation_bytes")),
                  _num(m.get("activation_ratio")), _num(m.get("step_s")),
-                 _num(m.get("time_ratio")), _num(m.get("update_rel_err"), "{:.1e}"),
+                 _num(m.get("time_ratio")), _num(m.get("cpu_time_ratio")),
+                 _num(m.get("update_rel_err"), "{:.1e}"),
                  b.get("max_batch", ""),
                  _num(b["max_batch"] / stock_batch if b.get("max_batch") and stock_batch
                       else None),
