@@ -25,6 +25,7 @@ non-update step (zero update) and is not meaningful.
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -261,7 +262,12 @@ def table(rows):
     for row in rows:
         found.setdefault(name(row), {})[row["kind"]] = row
     stock_batch = found.get("stock", {}).get("max_batch", {}).get("max_batch")
-    lines = ["| method | activation MiB | stock twin MiB | activation ratio | step s | "
+    first = rows[0] if rows else {}
+    cap = next((r["cap_bytes"] for r in rows if "cap_bytes" in r), None)
+    lines = [f"{first.get('layers')} blocks, seq {first.get('seq')}, batch {first.get('batch')}; "
+             f"max batch under {_mib(cap)} MiB. For a method measured "
+             f"more than once, the last run is shown (all rows in the .jsonl).", "",
+             "| method | activation MiB | stock twin MiB | activation ratio | step s | "
              "time ratio | CPU time ratio | update rel. err | max batch | batch ratio | status |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for method, kinds in found.items():
@@ -274,9 +280,14 @@ def table(rows):
                  b.get("max_batch", ""),
                  _num(b["max_batch"] / stock_batch if b.get("max_batch") and stock_batch
                       else None),
-                 "; ".join(str(e)[:160] for e in errors) or "ok"]
+                 "; ".join(_one_line(e)[:160] for e in errors) or "ok"]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _one_line(error):
+    """An error message fit for a table cell: no terminal colours, no line breaks."""
+    return " ".join(re.sub(r"\x1b\[[0-9;]*m", "", str(error)).split())
 
 
 def _mib(value):
