@@ -1,8 +1,11 @@
 """The public entry points: check the input, then run the pipeline.
 
-graph model -> selection -> plan -> rewrite. Everything here is about
-argument handling and reporting; the work happens in the rooms.
+graph model -> strategy -> plan -> rewrite. Everything here is about
+argument handling and reporting; the work happens in the rooms (core/,
+tfgraph/).
 """
+
+from __future__ import annotations
 
 import collections.abc
 import dataclasses
@@ -10,15 +13,18 @@ import logging
 
 import tensorflow as tf
 
-from memory_saving_gradients.tfgraph import reading
 from memory_saving_gradients.core import planning
-from memory_saving_gradients.tfgraph import rewrite
-from memory_saving_gradients.core import strategies
 from memory_saving_gradients.core import simulation
+from memory_saving_gradients.core import strategies
+from memory_saving_gradients.core.model import GraphModel
+from memory_saving_gradients.tfgraph import captures
+from memory_saving_gradients.tfgraph import op_kinds
+from memory_saving_gradients.tfgraph import reading
+from memory_saving_gradients.tfgraph import rewrite
 
 logger = logging.getLogger("memory_saving_gradients")
 
-MODES = ("collection", "memory", "speed")
+MODES = strategies.MODES
 COLLECTION = "checkpoints"
 _TF_GRADIENTS_ARGS = frozenset({
     "name", "colocate_gradients_with_ops", "gate_gradients", "aggregation_method",
@@ -38,6 +44,7 @@ class CheckpointPlan:
       num_forward_ops: ops between xs and ys.
       estimate: simulated memory and recompute cost (simulation.Estimate).
       notes: fallbacks taken and inputs ignored.
+      plan, model: the core's plan and graph model, for inspection.
     """
     mode: str
     checkpoints: tuple
@@ -47,7 +54,8 @@ class CheckpointPlan:
     estimate: simulation.Estimate
     notes: tuple
     plan: planning.Plan = dataclasses.field(repr=False)
-    model: reading.GraphModel = dataclasses.field(repr=False)
+    model: GraphModel = dataclasses.field(repr=False)
+    reading: reading.Reading = dataclasses.field(repr=False)
 
     def __str__(self):
         est = self.estimate
@@ -97,11 +105,23 @@ def gradients(ys, xs, grad_ys=None, checkpoints="collection", **kwargs):
     unconnected = tf.UnconnectedGradients(
         tf_kwargs.pop("unconnected_gradients", tf.UnconnectedGradients.NONE))
     name = tf_kwargs.pop("name", None) or "gradients"
-    report = _plan(ys, xs, checkpoints)
+    graph = ys[0].graph
+    local = [x for x in xs if x.graph is graph]
+    # xs of enclosing graphs are reached through this graph's captures; past
+    # them, tf.gradients goes on through the enclosing graphs' ops, and so do we.
+    entries = captures.differentiable_captures(graph) if len(local) < len(xs) else []
+    sources = local + [internal for _, internal in entries]
+    report = _plan(ys, sources, checkpoints)
     logger.info("memory_saving_gradients: %s", str(report).replace("\n", "; "))
-    with ys[0].graph.name_scope(name):
-        return rewrite.backprop(report.model, report.plan, ys, xs, grad_ys, stops, tf_kwargs,
-                                unconnected)
+    with graph.name_scope(name):
+        found = rewrite.backprop(report.reading, report.plan, ys, sources, grad_ys, stops,
+                                 tf_kwargs, unconnected)
+        by_x = dict(zip(map(id, local), found))
+        outer = [x for x in xs if x.graph is not graph]
+        if outer:
+            by_x.update(zip(map(id, outer), captures.beyond(
+                entries, found[len(local):], outer, unconnected)))
+        return [by_x[id(x)] for x in xs]
 
 
 @tf.autograph.experimental.do_not_convert
@@ -130,58 +150,65 @@ def checkpoint_plan(ys, xs, checkpoints="memory"):
       >>> print(memory_saving_gradients.checkpoint_plan(loss, model.weights))
     """
     ys, xs, _ = _normalise(ys, xs, None)
-    return _plan(ys, xs, checkpoints)
+    return _plan(ys, [x for x in xs if x.graph is ys[0].graph], checkpoints)
+
+
+def validate_checkpoints(checkpoints) -> str:
+    """The mode of a `checkpoints` argument; ValueError/TypeError if malformed."""
+    mode = strategies.validate(checkpoints)
+    if mode == "list":
+        _as_tensors(checkpoints, "checkpoints")
+    return mode
 
 
 def _plan(ys, xs, checkpoints):
-    model = reading.build_model(ys, xs)
-    mode, chosen = _select(model, ys, xs, checkpoints)
+    read = reading.build_model(ys, xs)
+    model = read.model
+    mode = strategies.validate(checkpoints)
+    chosen = strategies.select(model, mode, _explicit_names(read, ys, xs, mode, checkpoints))
     plan = planning.make_plan(model, chosen.names, mode, chosen.notes)
     graph = ys[0].graph
     kept = set(plan.chosen)
     return CheckpointPlan(
         mode=mode,
         checkpoints=tuple(graph.get_tensor_by_name(n) for n in plan.chosen),
-        pinned=tuple(graph.get_tensor_by_name(n) for n in plan.checkpoints
-                     if n not in kept),
+        pinned=tuple(graph.get_tensor_by_name(n) for n in plan.kept if n not in kept),
         num_recomputed_ops=plan.num_recomputed_ops,
         num_forward_ops=model.num_region_ops,
         estimate=simulation.estimate(model, plan),
         notes=plan.notes,
         plan=plan,
-        model=model)
+        model=model,
+        reading=read)
 
 
-def _select(model, ys, xs, checkpoints):
-    """Runs the selection strategy `checkpoints` names; returns (mode, Selection)."""
+def _explicit_names(read, ys, xs, mode, checkpoints):
+    """Names the 'collection' and 'list' modes keep, checked; () for other modes."""
     graph = ys[0].graph
-    if isinstance(checkpoints, str):
-        if checkpoints in strategies.STRATEGIES:
-            return checkpoints, strategies.STRATEGIES[checkpoints](model)
-        if checkpoints == "collection":
-            found = [t for t in graph.get_collection(COLLECTION)
-                     if isinstance(t, tf.Tensor) and t.graph is graph]
-            if not found:
-                logger.warning("memory_saving_gradients: the %r collection is empty; "
-                               "nothing is recomputed (same as tf.gradients). Add "
-                               "tensors with tf.compat.v1.add_to_collection(%r, t).",
-                               COLLECTION, COLLECTION)
-            # Tensors elsewhere in the graph may be meant for other gradients calls.
-            return "collection", strategies.explicit(model, [t.name for t in found])
-        raise ValueError(f"unknown checkpoints mode {checkpoints!r}: use one of "
-                         f"{', '.join(map(repr, MODES))} or a list of tensors")
+    if mode == "collection":
+        found = [t for t in graph.get_collection(COLLECTION)
+                 if isinstance(t, tf.Tensor) and t.graph is graph]
+        if not found:
+            logger.warning("memory_saving_gradients: the %r collection is empty; "
+                           "nothing is recomputed (same as tf.gradients). Add "
+                           "tensors with tf.compat.v1.add_to_collection(%r, t).",
+                           COLLECTION, COLLECTION)
+        # Tensors elsewhere in the graph may be meant for other gradients calls.
+        return [t.name for t in found]
+    if mode != "list":
+        return ()
     tensors = _as_tensors(checkpoints, "checkpoints")
     _check_same_graph(tensors, graph, "checkpoints")
     x_names = {x.name for x in xs}
     for t in tensors:
-        if reading.in_v1_control_flow(t.op, output=True):
+        if op_kinds.in_v1_control_flow(t.op, output=True):
             raise ValueError(f"checkpoint {t.name} is inside a tf.while_loop or tf.cond "
                              f"body; checkpoint the loop's or cond's outputs instead")
-        if t.name not in model.region and t.name not in x_names:
+        if t.name not in read.region and t.name not in x_names:
             raise ValueError(f"checkpoint {t.name} is not between xs and ys: it does not "
                              f"depend on any x or no y depends on it; pass tensors on "
                              f"the path from xs to ys")
-    return "list", strategies.explicit(model, [t.name for t in tensors])
+    return [t.name for t in tensors]
 
 
 def _normalise(ys, xs, grad_ys):
@@ -200,7 +227,9 @@ def _normalise(ys, xs, grad_ys):
                          f"another: call gradients inside the graph or tf.function "
                          f"that built ys")
     _check_same_graph(ys, graph, "ys")
-    _check_same_graph(xs, graph, "xs")
+    for x in xs:
+        if not captures.encloses(x.graph, graph):
+            _check_same_graph([x], graph, "xs")
     if grad_ys is not None:
         grad_ys = _as_tensors(grad_ys, "grad_ys", allow_none=True)
         if len(grad_ys) != len(ys):
@@ -228,10 +257,16 @@ def _as_tensors(values, what, allow_variables=False, allow_none=False):
                        else tf.convert_to_tensor(v))
         elif tf.is_symbolic_tensor(v):
             out.append(v)
+        elif what == "xs" and isinstance(v, tf.Tensor) and _in_function():
+            out.append(tf.convert_to_tensor(v))  # an eager tensor: captured, as tf.gradients does
         else:
             raise TypeError(f"{what}[{i}] must be a tf.Tensor in a graph, got "
                             f"{type(v).__name__}: {v!r}")
     return out
+
+
+def _in_function():
+    return hasattr(tf.compat.v1.get_default_graph(), "captures")  # a tf.function's FuncGraph
 
 
 def _check_same_graph(tensors, graph, what):

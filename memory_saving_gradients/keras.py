@@ -1,9 +1,14 @@
-"""Keras integration: the `@recompute_grad` layer decorator.
+"""Checkpointing for Keras: the `Checkpointing` callback, `enable`, `disable`, and
+the `@recompute_grad` layer decorator.
 
-(The `Checkpointing` callback joins this module when it lands.)
+Imported on its own (`import memory_saving_gradients.keras`) so that the
+package does not import Keras unless asked.
 """
 
+from memory_saving_gradients.integrations.keras import Checkpointing
+from memory_saving_gradients.integrations.keras import disable
+from memory_saving_gradients.integrations.keras import enable
 from memory_saving_gradients.integrations.layer_decorator import recompute_enabled
 from memory_saving_gradients.integrations.layer_decorator import recompute_grad
 
-__all__ = ["recompute_enabled", "recompute_grad"]
+__all__ = ["Checkpointing", "disable", "enable", "recompute_enabled", "recompute_grad"]
