@@ -1,4 +1,5 @@
-"""Checkpointing for Keras `model.fit`: `Checkpointing` callback, `enable`, `disable`.
+"""Checkpointing for Keras: the `Checkpointing` callback, `enable`, `disable`, and
+the `@recompute_grad` layer decorator.
 
 Imported on its own (`import memory_saving_gradients.keras`) so that the
 package does not import Keras unless asked.
@@ -7,5 +8,7 @@ package does not import Keras unless asked.
 from memory_saving_gradients.integrations.keras import Checkpointing
 from memory_saving_gradients.integrations.keras import disable
 from memory_saving_gradients.integrations.keras import enable
+from memory_saving_gradients.integrations.layer_decorator import recompute_enabled
+from memory_saving_gradients.integrations.layer_decorator import recompute_grad
 
-__all__ = ["Checkpointing", "disable", "enable"]
+__all__ = ["Checkpointing", "disable", "enable", "recompute_enabled", "recompute_grad"]
