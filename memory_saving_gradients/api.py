@@ -14,7 +14,7 @@ from memory_saving_gradients.tfgraph import reading
 from memory_saving_gradients.core import planning
 from memory_saving_gradients.tfgraph import rewrite
 from memory_saving_gradients.core import strategies
-from memory_saving_gradients.core import simulation
+from memory_saving_gradients.core import timeline
 
 logger = logging.getLogger("memory_saving_gradients")
 
@@ -36,7 +36,7 @@ class CheckpointPlan:
         stateful or control-flow ops, their inputs, xs inside the region).
       num_recomputed_ops: ops copied and rerun during backprop.
       num_forward_ops: ops between xs and ys.
-      estimate: simulated memory and recompute cost (simulation.Estimate).
+      estimate: predicted memory and recompute cost (timeline.Estimate).
       notes: fallbacks taken and inputs ignored.
     """
     mode: str
@@ -44,7 +44,7 @@ class CheckpointPlan:
     pinned: tuple
     num_recomputed_ops: int
     num_forward_ops: int
-    estimate: simulation.Estimate
+    estimate: timeline.Estimate
     notes: tuple
     plan: planning.Plan = dataclasses.field(repr=False)
     model: reading.GraphModel = dataclasses.field(repr=False)
@@ -55,7 +55,7 @@ class CheckpointPlan:
             f"mode {self.mode!r}: keep {len(self.checkpoints)} checkpoints "
             f"(+{len(self.pinned)} pinned), recompute {self.num_recomputed_ops} of "
             f"{self.num_forward_ops} forward ops",
-            f"simulated activation memory {est.peak_bytes / 2**20:.1f} MiB vs "
+            f"predicted activation memory {est.peak_bytes / 2**20:.1f} MiB vs "
             f"{est.baseline_bytes / 2**20:.1f} MiB for tf.gradients "
             f"({est.memory_ratio:.0%}), extra forward work "
             f"{est.recompute_flops / max(est.forward_flops, 1):.0%}",
@@ -146,7 +146,7 @@ def _plan(ys, xs, checkpoints):
                      if n not in kept),
         num_recomputed_ops=plan.num_recomputed_ops,
         num_forward_ops=model.num_region_ops,
-        estimate=simulation.estimate(model, plan),
+        estimate=timeline.predict(model, plan),
         notes=plan.notes,
         plan=plan,
         model=model)

@@ -19,7 +19,7 @@ import math
 import networkx as nx
 
 from memory_saving_gradients.core import planning
-from memory_saving_gradients.core import simulation
+from memory_saving_gradients.core import timeline
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +124,7 @@ def bottlenecks(model):
 
 def _price(model, chosen):
     plan = planning.make_plan(model, chosen, "memory")
-    est = simulation.estimate(model, plan)
+    est = timeline.predict(model, plan)
     return est.peak_bytes, est.recompute_flops
 
 

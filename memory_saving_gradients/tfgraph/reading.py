@@ -26,7 +26,9 @@ import networkx as nx
 import tensorflow as tf
 from tensorflow.python.ops import control_flow_util
 
+from memory_saving_gradients.tfgraph import gradient_reads
 from memory_saving_gradients.tfgraph import loops
+from memory_saving_gradients.tfgraph import workspace
 
 # Ops whose copies would not behave like the original (or could not be
 # differentiated when copied): their outputs are kept instead of recomputed.
@@ -69,6 +71,12 @@ class GraphModel:
       op_inputs: op name -> names of the tensors its gradient reaches: its
         inputs, or for the Exit ops of a tf.compat.v1 while loop, the tensors
         entering the loop. Only the rewrite reads it.
+      grad_reads: op name -> the activation tensors (its inputs and outputs)
+        its registered gradient reads, as TensorFlow builds it.
+      workspace: op name -> bytes its gradient ops allocate besides their
+        outputs while they run (measured; empty when not measurable).
+      weight_grad_bytes: op name -> bytes of the gradients it sends to
+        weights (region tensors that are not activations).
     """
     graph: nx.DiGraph
     order: tuple
@@ -79,6 +87,9 @@ class GraphModel:
     region: frozenset
     num_region_ops: int
     op_inputs: dict = dataclasses.field(default_factory=dict)
+    grad_reads: dict = dataclasses.field(default_factory=dict)
+    workspace: dict = dataclasses.field(default_factory=dict)
+    weight_grad_bytes: dict = dataclasses.field(default_factory=dict)
 
     def op_of(self, tensor_name):
         return self.graph.nodes[tensor_name]["op"]
@@ -249,11 +260,14 @@ def build_model(ys, xs):
     pinned = set()
     op_outputs = {}
     other_bytes = 0
+    backprop = {"grad_reads": {}, "workspace": {}, "weight_grad_bytes": {}}
+    region_names = {o.name for op in units for o in op.outputs}
     for op in units:
         outs = [o for o in op.outputs if o.name in activations]
         if not outs:
             other_bytes += sum(tensor_bytes(o) for o in op.outputs)
             continue
+        _record_backprop(op, inputs[op], activations, region_names, backprop)
         recomputable = is_recomputable(op, rerunnable)
         cost = op_cost(op)
         op_outputs[op.name] = tuple(o.name for o in outs)
@@ -276,6 +290,22 @@ def build_model(ys, xs):
         graph=graph, order=order, pinned=frozenset(pinned),
         ys=tuple(y.name for y in ys if y.name in activations),
         op_outputs=op_outputs, other_bytes=other_bytes,
-        region=frozenset(o.name for op in units for o in op.outputs),
+        region=frozenset(region_names),
         num_region_ops=len(ops),
-        op_inputs={op.name: tuple(i.name for i in inputs[op]) for op in units})
+        op_inputs={op.name: tuple(i.name for i in inputs[op]) for op in units},
+        **backprop)
+
+
+def _record_backprop(op, op_inputs, activations, region_names, backprop):
+    """What `op`'s gradient reads, allocates as scratch and sends to weights."""
+    if op.type in ("Exit", "RefExit"):
+        read = [t.name for t in op_inputs]  # a v1 loop: assume it reads all it took in
+    else:
+        reads = gradient_reads.gradient_reads(op)
+        read = ([op.inputs[i].name for i in reads.inputs]
+                + [op.outputs[i].name for i in reads.outputs])
+    backprop["grad_reads"][op.name] = tuple(n for n in read if n in activations)
+    backprop["workspace"][op.name] = workspace.gradient_workspace_bytes(op)
+    backprop["weight_grad_bytes"][op.name] = sum(
+        tensor_bytes(t) for t in op_inputs
+        if t.name in region_names and t.name not in activations and t.dtype.is_floating)

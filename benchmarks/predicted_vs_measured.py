@@ -1,0 +1,204 @@
+"""The simulator's predicted peak beside the allocator's measured peak.
+
+    python -m benchmarks.predicted_vs_measured [--models a,b] [--threads default,1]
+
+For each model and method (tf.gradients, "memory", "speed") a fresh
+subprocess builds the model, traces one training step (forward and
+gradients in one tf.function, batch 8 for the image models), takes the
+prediction of `checkpoint_plan` from the same trace, and measures the step's
+allocator peak (`function_peak_bytes`, median of 3 calls after 2 warm-ups)
+minus the weight gradients it returns: activation memory, as predicted.
+With `--threads 1` the subprocess runs TensorFlow with one inter-op thread.
+Results go to results/predicted_vs_measured.{jsonl,md}.
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+
+RESULTS = pathlib.Path(__file__).parent / "results"
+METHODS = ("tf.gradients", "memory", "speed")
+IMAGE_BATCH = 8
+
+
+def keras_application(name, pixels):
+    """(model, data) builders for a keras.applications model, weights=None."""
+    def build():
+        import keras
+        return getattr(keras.applications, name)(
+            weights=None, input_shape=(pixels, pixels, 3), classes=10)
+    return build, _image_data(pixels)
+
+
+def unet(pixels=64, depth=3, width=16):
+    """The classic concatenating U-Net (conv-BN-ReLU twice per stage)."""
+    def build():
+        import keras
+        layers = keras.layers
+
+        def stage(h, channels):
+            for _ in range(2):
+                h = layers.Conv2D(channels, 3, padding="same")(h)
+                h = layers.ReLU()(layers.BatchNormalization()(h))
+            return h
+
+        inputs = keras.Input((pixels, pixels, 3))
+        skips, h = [], inputs
+        for level in range(depth):
+            h = stage(h, width << level)
+            skips.append(h)
+            h = layers.MaxPooling2D()(h)
+        h = stage(h, width << depth)
+        for level in reversed(range(depth)):
+            h = layers.Conv2DTranspose(width << level, 2, strides=2)(h)
+            h = stage(layers.Concatenate()([h, skips[level]]), width << level)
+        h = layers.GlobalAveragePooling2D()(layers.Conv2D(10, 1)(h))
+        return keras.Model(inputs, h)
+    return build, _image_data(pixels)
+
+
+def _image_data(pixels):
+    def data():
+        import numpy as np
+        rng = np.random.default_rng(0)
+        return (rng.normal(size=(IMAGE_BATCH, pixels, pixels, 3)).astype(np.float32),
+                rng.integers(0, 10, size=IMAGE_BATCH).astype(np.int32))
+    return data
+
+
+def family_model(name, size):
+    """A benchmarks.models family at one depth, as a Keras-like callable."""
+    def build():
+        from benchmarks.models import FAMILIES
+        family = FAMILIES[name]
+        model = family.build(size, **family.options)
+        inputs, labels = family.data(1, **family.options)
+        model.forward(inputs, labels, training=False)  # weights, outside tf.function
+        return model
+
+    def data():
+        from benchmarks.models import FAMILIES
+        family = FAMILIES[name]
+        return family.data(family.batch, **family.options)
+    return build, data
+
+
+MODELS = {
+    "mlp": family_model("mlp", 16), "resnet": family_model("resnet", 9),
+    "bert": family_model("bert", 2), "rnn": family_model("rnn", 2),
+    "MobileNetV2": keras_application("MobileNetV2", 64),
+    "EfficientNetB0": keras_application("EfficientNetB0", 64),
+    "DenseNet121": keras_application("DenseNet121", 64),
+    "ResNet50": keras_application("ResNet50", 64),
+    "unet": unet(),
+}
+
+
+def loss_and_weights(model, inputs, labels):
+    """The training loss and the weights of a Keras model or a benchmark family."""
+    import tensorflow as tf
+    if hasattr(model, "forward"):
+        return model.forward(inputs, labels), model.weights
+    logits = model(inputs, training=True)
+    loss = tf.reduce_mean(tf.keras.losses.sparse_categorical_crossentropy(
+        labels, logits, from_logits=True))
+    return loss, model.trainable_weights
+
+
+def measure(model_name, method, threads):
+    """One row: predicted and measured activation bytes, in this process."""
+    import tensorflow as tf
+    import memory_saving_gradients as msg
+    if threads == "1":
+        tf.config.threading.set_inter_op_parallelism_threads(1)
+    build, data = MODELS[model_name]
+    model = build()
+    inputs, labels = (tf.constant(a) for a in data())
+    found = {}
+
+    @tf.function
+    def step(inputs, labels):
+        loss, weights = loss_and_weights(model, inputs, labels)
+        plan = msg.checkpoint_plan(loss, weights, "memory" if method == METHODS[0] else method)
+        found["plan"] = plan
+        if method == METHODS[0]:
+            return tf.gradients(loss, weights)
+        return msg.gradients(loss, weights, checkpoints=method)
+
+    step(inputs, labels), step(inputs, labels)
+    peaks = [msg.function_peak_bytes(step, inputs, labels)[0] for _ in range(3)]
+    weights = loss_and_weights_bytes(found["plan"])
+    est = found["plan"].estimate
+    predicted = est.baseline_bytes if method == METHODS[0] else est.peak_bytes
+    return {"model": model_name, "method": method, "threads": threads,
+            "predicted": int(predicted), "measured": int(statistics.median(peaks)) - weights,
+            "measured_all": [int(p) - weights for p in peaks]}
+
+
+def loss_and_weights_bytes(plan):
+    """Bytes of the weight gradients the step returns (what the model sends to weights)."""
+    return sum(plan.model.weight_grad_bytes.values())
+
+
+def run_job(model_name, method, threads, timeout=900):
+    """Runs `measure` in a fresh subprocess; returns its row (or an error row)."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", TF_CPU_ALLOCATOR_USE_BFC="1")
+    command = [sys.executable, "-m", "benchmarks.predicted_vs_measured", "--job",
+               json.dumps([model_name, method, threads])]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
+                              env=env, check=False)
+        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+        if lines:
+            return json.loads(lines[-1])
+        error = done.stderr.strip().splitlines()[-1:] or ["no output"]
+    except subprocess.TimeoutExpired:
+        error = [f"timed out after {timeout} s"]
+    return {"model": model_name, "method": method, "threads": threads, "error": error[0]}
+
+
+def write_table(rows, path):
+    """Markdown: predicted beside measured MiB per model, method and threading."""
+    lines = ["| model | method | threads | predicted MiB | measured MiB | predicted/measured |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['model']} | {r['method']} | {r['threads']} | error: "
+                         f"{r['error'][:80]} | | |")
+            continue
+        lines.append(f"| {r['model']} | {r['method']} | {r['threads']} | "
+                     f"{r['predicted'] / 2**20:.1f} | {r['measured'] / 2**20:.1f} | "
+                     f"{r['predicted'] / max(r['measured'], 1):.2f} |")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--threads", default="default,1")
+    parser.add_argument("--out", default="predicted_vs_measured")
+    parser.add_argument("--job", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.job:
+        print(json.dumps(measure(*json.loads(args.job))), flush=True)
+        return
+    RESULTS.mkdir(exist_ok=True)
+    rows = []
+    jsonl = RESULTS / f"{args.out}.jsonl"
+    for model_name in args.models.split(","):
+        for threads in args.threads.split(","):
+            for method in args.methods.split(","):
+                rows.append(run_job(model_name, method, threads))
+                print(json.dumps(rows[-1]), flush=True)
+                with jsonl.open("a") as f:
+                    f.write(json.dumps(rows[-1]) + "\n")
+    write_table(rows, RESULTS / f"{args.out}.md")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""Which forward tensors an op's registered gradient reads, asked of TensorFlow.
+
+`tf.gradients` keeps a forward tensor alive until backprop only if a gradient
+op reads it (ReLU's gradient reads its output, BiasAdd's reads nothing, MatMul's
+reads both inputs). Rather than a hand-written table, each op type's
+registered gradient is built once on a scratch graph, with placeholders of
+the same dtypes and shapes standing for the op's inputs, outputs and output
+gradients, and the placeholders the gradient ops consume are recorded.
+Results are cached per op type, attributes, dtypes and ranks.
+"""
+
+import dataclasses
+import functools
+
+import tensorflow as tf
+
+from memory_saving_gradients.tfgraph import compat
+
+# Consumers that need only a tensor's shape: they run as soon as the tensor
+# exists (during the forward pass), so they do not keep it alive for backprop.
+_SHAPE_ONLY_OP_TYPES = frozenset({"Shape", "ShapeN", "Size", "Rank"})
+_OPAQUE_DTYPES = (tf.resource, tf.variant, tf.string)
+
+
+@dataclasses.dataclass(frozen=True)
+class Reads:
+    """Indices of the op's inputs and outputs its gradient reads."""
+    inputs: tuple
+    outputs: tuple
+
+
+def gradient_reads(op):
+    """The `Reads` of `op`'s registered gradient (cached per kind of op).
+
+    Ops without a gradient read nothing; ops whose gradient cannot be built
+    on a scratch graph (function calls, control flow, unusual attributes) are
+    assumed to read every input and output, which never under-counts memory.
+    """
+    return _cached_reads(_key(op), _Probe(op))
+
+
+def _key(op):
+    attrs = tuple(sorted((name, value.SerializeToString(deterministic=True))
+                         for name, value in op.node_def.attr.items()
+                         if not name.startswith("_")))
+    signature = tuple((t.dtype.name, t.shape.rank) for t in list(op.inputs) + list(op.outputs))
+    return op.type, attrs, signature
+
+
+class _Probe:
+    """Carries the op into the cached function without taking part in its key."""
+
+    def __init__(self, op):
+        self.op = op
+
+    def __hash__(self):
+        return 0
+
+    def __eq__(self, other):
+        return isinstance(other, _Probe)
+
+
+@functools.lru_cache(maxsize=None)
+def _cached_reads(key, probe):  # pylint: disable=unused-argument  # key is the cache key
+    op = probe.op
+    everything = Reads(tuple(range(len(op.inputs))), tuple(range(len(op.outputs))))
+    try:
+        grad_fn = compat.registered_gradient(op)
+    except LookupError:
+        return everything  # tf.gradients would raise; never planned around
+    if grad_fn is None:
+        return Reads((), ())
+    try:
+        return _probe(op, grad_fn)
+    except Exception:  # pylint: disable=broad-except  # any failure: assume the worst
+        return everything
+
+
+def _probe(op, grad_fn):
+    """Builds `grad_fn` for a copy of `op` on a scratch graph; returns its Reads."""
+    scratch = tf.Graph()
+    with scratch.as_default():
+        inputs = [_stand_in(t, f"input{i}") for i, t in enumerate(op.inputs)]
+        copy = compat.create_op_like(scratch, op, inputs)
+        seeds = [None if t.dtype.base_dtype in _OPAQUE_DTYPES else _stand_in(t, f"grad{i}")
+                 for i, t in enumerate(copy.outputs)]
+        first_new = len(scratch.get_operations())
+        grad_fn(copy, *seeds)
+        read = {id(t) for new_op in scratch.get_operations()[first_new:]
+                if new_op.type not in _SHAPE_ONLY_OP_TYPES for t in new_op.inputs}
+    return Reads(tuple(i for i, t in enumerate(inputs) if id(t) in read),
+                 tuple(i for i, t in enumerate(copy.outputs) if id(t) in read))
+
+
+def _stand_in(tensor, name):
+    return tf.compat.v1.placeholder(tensor.dtype.base_dtype, tensor.shape, name=name)
