@@ -8,7 +8,7 @@ import pytest
 from memory_saving_gradients.tfgraph import reading
 from memory_saving_gradients.core import planning
 from memory_saving_gradients.core import strategies
-from memory_saving_gradients.core import simulation
+from memory_saving_gradients.core import timeline
 
 
 def make_model(edges, ys, op_types=None, pinned=(), unrecomputable=(), size=100):
@@ -79,7 +79,7 @@ def test_memory_falls_back_to_separators_and_warns(caplog):
     assert picked.names and picked.notes
     assert "no usable single-tensor bottleneck" in caplog.text
     plan = planning.make_plan(model, picked.names, "memory")
-    est = simulation.estimate(model, plan)
+    est = timeline.predict(model, plan)
     assert est.peak_bytes <= 0.5 * est.baseline_bytes
 
 
@@ -130,7 +130,8 @@ def test_segment_of_root_fed_by_checkpoints_is_the_root_alone():
 def test_simulated_memory_shrinks_like_sqrt_n(n):
     model, _ = chain_model(n)
     plan = planning.make_plan(model, strategies.memory(model).names, "memory")
-    est = simulation.estimate(model, plan)
-    assert est.baseline_bytes == n * 100
+    est = timeline.predict(model, plan)
+    # Every tanh output is kept (its gradient reads it), plus gradients in flight.
+    assert n * 100 <= est.baseline_bytes <= (n + 2) * 100
     assert est.peak_bytes <= 2.5 * (n ** 0.5) * 100
     assert est.recompute_flops <= est.forward_flops

@@ -5,8 +5,11 @@ op reads it (ReLU's gradient reads its output, BiasAdd's reads nothing, MatMul's
 reads both inputs). Rather than a hand-written table, each op type's
 registered gradient is built once on a scratch graph, with placeholders of
 the same dtypes and shapes standing for the op's inputs, outputs and output
-gradients, and the placeholders the gradient ops consume are recorded.
-Results are cached per op type, attributes, dtypes and ranks.
+gradients, and the placeholders the gradient ops consume are recorded, together with the peak
+bytes of the intermediate tensors the gradient makes on the way to its
+results (for `x * scale` with a per-channel scale: `dy * x`, as large as x,
+before it is summed to the scale's gradient). Results are cached per op
+type, attributes, dtypes and shapes.
 """
 
 import dataclasses
@@ -20,13 +23,17 @@ from memory_saving_gradients.tfgraph import compat
 # exists (during the forward pass), so they do not keep it alive for backprop.
 _SHAPE_ONLY_OP_TYPES = frozenset({"Shape", "ShapeN", "Size", "Rank"})
 _OPAQUE_DTYPES = (tf.resource, tf.variant, tf.string)
+# Ops whose output shares its input's buffer: they allocate nothing.
+_ALIASING_OP_TYPES = frozenset({"Reshape", "Identity", "ExpandDims", "Squeeze", "NoOp"})
 
 
 @dataclasses.dataclass(frozen=True)
 class Reads:
-    """Indices of the op's inputs and outputs its gradient reads."""
+    """What the op's gradient reads, by index of the op's inputs and outputs,
+    and the peak bytes of its intermediate tensors (not its results)."""
     inputs: tuple
     outputs: tuple
+    scratch_bytes: int = 0
 
 
 def gradient_reads(op):
@@ -43,7 +50,7 @@ def _key(op):
     attrs = tuple(sorted((name, value.SerializeToString(deterministic=True))
                          for name, value in op.node_def.attr.items()
                          if not name.startswith("_")))
-    signature = tuple((t.dtype.name, t.shape.rank) for t in list(op.inputs) + list(op.outputs))
+    signature = tuple((t.dtype.name, str(t.shape)) for t in list(op.inputs) + list(op.outputs))
     return op.type, attrs, signature
 
 
@@ -85,11 +92,46 @@ def _probe(op, grad_fn):
         seeds = [None if t.dtype.base_dtype in _OPAQUE_DTYPES else _stand_in(t, f"grad{i}")
                  for i, t in enumerate(copy.outputs)]
         first_new = len(scratch.get_operations())
-        grad_fn(copy, *seeds)
-        read = {id(t) for new_op in scratch.get_operations()[first_new:]
+        results = grad_fn(copy, *seeds)
+        new_ops = scratch.get_operations()[first_new:]
+        read = {id(t) for new_op in new_ops
                 if new_op.type not in _SHAPE_ONLY_OP_TYPES for t in new_op.inputs}
+        results = results if isinstance(results, (list, tuple)) else [results]
     return Reads(tuple(i for i, t in enumerate(inputs) if id(t) in read),
-                 tuple(i for i, t in enumerate(copy.outputs) if id(t) in read))
+                 tuple(i for i, t in enumerate(copy.outputs) if id(t) in read),
+                 _intermediate_peak(new_ops, {id(r) for r in results if r is not None}))
+
+
+def _intermediate_peak(ops, results):
+    """Peak bytes of the tensors `ops` (in creation order) make, results aside.
+
+    Each is alive from its op to its last reader among `ops`; shapes are
+    static (the stand-ins have the op's shapes); unknown dims count as 1.
+    """
+    last_reader = {}
+    for step, op in enumerate(ops):
+        for t in op.inputs:
+            last_reader[id(t)] = step
+    alive, peak, frees = 0, 0, {}
+    for step, op in enumerate(ops):
+        if op.type not in _ALIASING_OP_TYPES:
+            for t in op.outputs:
+                if id(t) not in results and t.dtype.base_dtype not in _OPAQUE_DTYPES:
+                    size = _bytes(t)
+                    alive += size
+                    end = last_reader.get(id(t), step)
+                    frees[end] = frees.get(end, 0) + size
+        peak = max(peak, alive)
+        alive -= frees.pop(step, 0)
+    return peak
+
+
+def _bytes(tensor):
+    dims = tensor.shape.as_list() if tensor.shape.rank is not None else []
+    count = 1
+    for d in dims:
+        count *= d or 1
+    return count * tensor.dtype.size
 
 
 def _stand_in(tensor, name):

@@ -300,12 +300,14 @@ def _record_backprop(op, op_inputs, activations, region_names, backprop):
     """What `op`'s gradient reads, allocates as scratch and sends to weights."""
     if op.type in ("Exit", "RefExit"):
         read = [t.name for t in op_inputs]  # a v1 loop: assume it reads all it took in
+        scratch = 0
     else:
         reads = gradient_reads.gradient_reads(op)
         read = ([op.inputs[i].name for i in reads.inputs]
                 + [op.outputs[i].name for i in reads.outputs])
+        scratch = reads.scratch_bytes
     backprop["grad_reads"][op.name] = tuple(n for n in read if n in activations)
-    backprop["workspace"][op.name] = workspace.gradient_workspace_bytes(op)
+    backprop["workspace"][op.name] = scratch + workspace.gradient_workspace_bytes(op)
     backprop["weight_grad_bytes"][op.name] = sum(
         tensor_bytes(t) for t in op_inputs
         if t.name in region_names and t.name not in activations and t.dtype.is_floating)

@@ -64,9 +64,13 @@ def backprop(model, plan, ys, xs, grad_ys, stop_gradients, tf_kwargs, unconnecte
             if g is not None:
                 done = bool(through) and graph.get_tensor_by_name(name).op in through
                 (passed if done else parts).setdefault(name, []).append(g)
+        return [g for g in grads if g is not None]
 
     # Backprop from the ys through the original ops, down to the checkpoints.
-    gradients_to(sources, ys, grad_ys, checkpoints)
+    # `released`: the gradients of the last phase; once they all exist, every
+    # gradient op of that phase (weight gradients included) has run and its
+    # recomputed tensors are free, so the next level may start recomputing.
+    released = gradients_to(sources, ys, grad_ys, checkpoints)
 
     # Sums stay IndexedSlices when every part is (tf.gradients takes them as
     # grad_ys), so sparse gradients reach the xs sparse, as with tf.gradients.
@@ -82,22 +86,24 @@ def backprop(model, plan, ys, xs, grad_ys, stop_gradients, tf_kwargs, unconnecte
         with graph.name_scope(f"recompute_{number}"):
             stubs = {}
             # Numeric ones only: a loop's TensorList gradient is a variant.
-            arrived = [seeds[c] for c in level.checkpoints
-                       if c in seeds and _addable(_values(seeds[c]).dtype)]
-            copies = _copy_segment(graph, level, seeds,
-                                   lambda t: leaves.stub(t, stubs, arrived))
+            arrived = [seeds[c] for c in level.checkpoints if c in seeds]
+            gate = _gate(arrived + released) if level.copy_ops else None
+            copies = _copy_segment(graph, level, seeds, gate,
+                                   lambda t: leaves.stub(t, stubs, gate))
+            done = []
             roots = [c for c in level.checkpoints if c in copies and c in seeds]
             if roots:
                 mapped = [copies.get(s.name, s) for s in stop_gradients]
-                gradients_to(list(stubs.values()), [copies[c] for c in roots],
-                             [seeds[c] for c in roots], mapped, names=list(stubs))
+                done += gradients_to(list(stubs.values()), [copies[c] for c in roots],
+                                     [seeds[c] for c in roots], mapped, names=list(stubs))
             kept = [graph.get_tensor_by_name(c) for c in level.checkpoints
                     if c in unsent and c not in copies and _differentiable(c, graph)]
             if kept:
                 # Roots that cannot be recomputed (stateful, control flow):
                 # differentiate the original ops.
                 read = _kept_inputs(model, leaves, graph, kept)
-                gradients_to(read, kept, [unsent[t.name] for t in kept], read)
+                done += gradients_to(read, kept, [unsent[t.name] for t in kept], read)
+            released = done or released
 
     # Weights (region tensors that depend only on xs) to the xs, in one pass.
     weights = [n for n in parts if leaves.is_weight(n)]
@@ -137,20 +143,20 @@ class _Leaves:
     def wanted(self, name):
         return name in self._checkpoints or name in self._x_names or self.is_weight(name)
 
-    def stub(self, tensor, stubs, arrived):
+    def stub(self, tensor, stubs, gate):
         """The level's stub for `tensor` (made on first use), or `tensor` itself.
 
-        `arrived` are the numeric gradients reaching the level. XLA (jit_compile)
-        drops the control inputs that make copies wait for them, then runs
-        the copies early or merges them with their originals (CSE, even
-        through optimization barriers on CPU). So under XLA the stub also
-        reads one of those gradients: a data dependency XLA must respect.
+        `gate` (see `_gate`) exists once the level may start. XLA
+        (jit_compile) drops the control inputs that make copies wait for it,
+        then runs the copies early or merges them with their originals (CSE,
+        even through optimization barriers on CPU). So under XLA the stub
+        also reads the gate: a data dependency XLA must respect.
         """
         if not self.wanted(tensor.name):
             return tensor
         if tensor.name not in stubs:
-            if self._xla and arrived and _addable(tensor.dtype):
-                stub = _after(tensor, arrived[0])
+            if self._xla and gate is not None and _addable(tensor.dtype):
+                stub = _after(tensor, gate)
             else:
                 stub = tf.identity(tensor)
             stub.op._set_device(tensor.op.device)  # pylint: disable=protected-access
@@ -158,11 +164,12 @@ class _Leaves:
         return stubs[tensor.name]
 
 
-def _copy_segment(graph, level, seeds, stub):
+def _copy_segment(graph, level, seeds, gate, stub):
     """Copies the level's ops; returns original tensor name -> copied tensor.
 
     Ops that read no other copy get control inputs on the gradients of the
-    checkpoints they serve, so the executor cannot run them early.
+    checkpoints they serve and on the level's `gate`, so the executor can run
+    them neither early nor while an earlier level's tensors are still alive.
     """
     copies = {}
     for op_name in level.copy_ops:
@@ -171,7 +178,8 @@ def _copy_segment(graph, level, seeds, stub):
             continue  # serves only checkpoints that receive no gradient
         op = graph.get_operation_by_name(op_name)
         inputs = [copies[i.name] if i.name in copies else stub(i) for i in op.inputs]
-        waits = [] if any(i.name in copies for i in op.inputs) else [g.op for g in owners]
+        waits = [] if any(i.name in copies for i in op.inputs) else (
+            [g.op for g in owners] + ([gate.op] if gate is not None else []))
         if waits and op.type in loops.LOOP_OP_TYPES:
             # Differentiating a loop appends data inputs to it, and a node's
             # control inputs must follow its data inputs: it waits through them.
@@ -213,16 +221,30 @@ def _addable(dtype):
     return dtype.is_floating or dtype.is_integer or dtype.is_complex
 
 
-def _after(tensor, gradient):
-    """`tensor` plus a zero computed from one element of `gradient`.
+def _gate(gradients):
+    """A scalar that exists only once all `gradients` do; None if none is numeric.
 
-    The zero is `0 * (g != g)` cast: never NaN (unlike `0 * g` for an
-    infinite g), and XLA folds `x * 0` only for integers, so it stays.
+    A level's recomputation waits for it: for the gradients reaching the
+    level, and for every gradient the previous phase returned, so that phase's
+    gradient ops, weight gradients (Conv2DBackpropFilter, ...) included, have
+    run and freed its recomputed tensors. With one inter-op thread TensorFlow
+    would otherwise defer weight gradients to the end of the step and keep
+    every level alive. It reads one element of each: `g != g` is never NaN,
+    (unlike `0 * g` for an infinite g).
     """
+    elements = [tf.reshape(_values(g), [-1])[:1] for g in gradients
+                if _addable(_values(g).dtype)]
+    if not elements:
+        return None
+    with tf.name_scope("wait_for_gradients"):
+        return tf.reduce_any(tf.concat([tf.not_equal(e, e) for e in elements], axis=0))
+
+
+def _after(tensor, gate):
+    """`tensor` plus a zero computed from `gate`; XLA folds `x * 0` only for
+    integers, so the data dependency stays."""
     with tf.name_scope("wait_for_gradient"):
-        element = tf.reshape(_values(gradient), [-1])[:1]
-        unordered = tf.reduce_any(tf.not_equal(element, element))
-        return tensor + tf.cast(unordered, tensor.dtype) * tf.zeros([], tensor.dtype)
+        return tensor + tf.cast(gate, tensor.dtype) * tf.zeros([], tensor.dtype)
 
 
 def _values(gradient):
