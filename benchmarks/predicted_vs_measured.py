@@ -9,7 +9,8 @@ prediction of `checkpoint_plan` from the same trace, and measures the step's
 allocator peak (`function_peak_bytes`, median of 3 calls after 2 warm-ups)
 minus the weight gradients it returns: activation memory, as predicted.
 With `--threads 1` the subprocess runs TensorFlow with one inter-op thread.
-Results go to results/predicted_vs_measured.{jsonl,md}.
+Results go to results/predicted_vs_measured.{jsonl,md}; the small models
+(`SMALL_MODELS`) are the ones tests/test_memory_model.py measures.
 """
 
 import argparse
@@ -87,7 +88,55 @@ def family_model(name, size):
     return build, data
 
 
-MODELS = {
+def small_cnn(pixels=32, blocks=4, channels=16):
+    """Conv-BN-ReLU blocks: a CNN with batch norm, small enough for tests."""
+    def build():
+        import keras
+        layers = [keras.Input((pixels, pixels, 3))]
+        for _ in range(blocks):
+            layers += [keras.layers.Conv2D(channels, 3, padding="same"),
+                       keras.layers.BatchNormalization(), keras.layers.ReLU()]
+        layers += [keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(10)]
+        return keras.Sequential(layers)
+    return build, _image_data(pixels)
+
+
+def transformer_block(seq=64, hidden=64, heads=4, batch=8):
+    """One pre-norm transformer encoder block (attention and FFN) and a head."""
+    def build():
+        import keras
+        inputs = keras.Input((seq, hidden))
+        h = keras.layers.LayerNormalization()(inputs)
+        h = inputs + keras.layers.MultiHeadAttention(heads, hidden // heads)(h, h)
+        f = keras.layers.Dense(4 * hidden, activation="gelu")(keras.layers.LayerNormalization()(h))
+        h = h + keras.layers.Dense(hidden)(f)
+        return keras.Model(inputs, keras.layers.Dense(10)(keras.layers.GlobalAveragePooling1D()(h)))
+    return build, _sequence_data(batch, seq, hidden)
+
+
+def small_lstm(steps=16, features=32, units=64, batch=64):
+    """Two stacked LSTM layers and a head."""
+    def build():
+        import keras
+        return keras.Sequential([keras.Input((steps, features)),
+                                 keras.layers.LSTM(units, return_sequences=True),
+                                 keras.layers.LSTM(units), keras.layers.Dense(10)])
+    return build, _sequence_data(batch, steps, features)
+
+
+def _sequence_data(batch, steps, features):
+    def data():
+        import numpy as np
+        rng = np.random.default_rng(0)
+        return (rng.normal(size=(batch, steps, features)).astype(np.float32),
+                rng.integers(0, 10, size=batch).astype(np.int32))
+    return data
+
+
+# Small models for the tests (tests/test_memory_model.py).
+SMALL_MODELS = {"cnn_bn": small_cnn(), "transformer": transformer_block(),
+                "lstm": small_lstm()}
+MODELS = {**SMALL_MODELS,
     "mlp": family_model("mlp", 16), "resnet": family_model("resnet", 9),
     "bert": family_model("bert", 2), "rnn": family_model("rnn", 2),
     "MobileNetV2": keras_application("MobileNetV2", 64),
@@ -109,15 +158,26 @@ def loss_and_weights(model, inputs, labels):
     return loss, model.trainable_weights
 
 
-def measure(model_name, method, threads):
-    """One row: predicted and measured activation bytes, in this process."""
+def measure(model_name, methods, threads):
+    """Rows (one per method): predicted and measured activation bytes.
+
+    Measured in this process, one method after the other, each step traced
+    and warmed up before its peaks are taken (the statistics are reset per
+    call), on the same model and batch.
+    """
     import tensorflow as tf
-    import memory_saving_gradients as msg
     if threads == "1":
         tf.config.threading.set_inter_op_parallelism_threads(1)
     build, data = MODELS[model_name]
     model = build()
     inputs, labels = (tf.constant(a) for a in data())
+    rows = [_measure_method(model, inputs, labels, method) for method in methods]
+    return [{"model": model_name, "threads": threads, **row} for row in rows]
+
+
+def _measure_method(model, inputs, labels, method):
+    import tensorflow as tf
+    import memory_saving_gradients as msg
     found = {}
 
     @tf.function
@@ -134,8 +194,8 @@ def measure(model_name, method, threads):
     weights = loss_and_weights_bytes(found["plan"])
     est = found["plan"].estimate
     predicted = est.baseline_bytes if method == METHODS[0] else est.peak_bytes
-    return {"model": model_name, "method": method, "threads": threads,
-            "predicted": int(predicted), "measured": int(statistics.median(peaks)) - weights,
+    return {"method": method, "predicted": int(predicted),
+            "measured": int(statistics.median(peaks)) - weights,
             "measured_all": [int(p) - weights for p in peaks]}
 
 
@@ -144,21 +204,22 @@ def loss_and_weights_bytes(plan):
     return sum(plan.model.weight_grad_bytes.values())
 
 
-def run_job(model_name, method, threads, timeout=900):
-    """Runs `measure` in a fresh subprocess; returns its row (or an error row)."""
+def run_job(model_name, methods, threads, timeout=900):
+    """Runs `measure` in a fresh subprocess; returns its rows (or error rows)."""
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", TF_CPU_ALLOCATOR_USE_BFC="1")
     command = [sys.executable, "-m", "benchmarks.predicted_vs_measured", "--job",
-               json.dumps([model_name, method, threads])]
+               json.dumps([model_name, list(methods), threads])]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
-                              env=env, check=False)
-        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+                              env=env, check=False, cwd=pathlib.Path(__file__).parent.parent)
+        lines = [line for line in done.stdout.splitlines() if line.startswith("[")]
         if lines:
             return json.loads(lines[-1])
         error = done.stderr.strip().splitlines()[-1:] or ["no output"]
     except subprocess.TimeoutExpired:
         error = [f"timed out after {timeout} s"]
-    return {"model": model_name, "method": method, "threads": threads, "error": error[0]}
+    return [{"model": model_name, "method": m, "threads": threads, "error": error[0]}
+            for m in methods]
 
 
 def write_table(rows, path):
@@ -178,7 +239,7 @@ def write_table(rows, path):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--models", default=",".join(m for m in MODELS if m not in SMALL_MODELS))
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--threads", default="default,1")
     parser.add_argument("--out", default="predicted_vs_measured")
@@ -193,10 +254,11 @@ def main(argv=None):
     for model_name in args.models.split(","):
         for threads in args.threads.split(","):
             for method in args.methods.split(","):
-                rows.append(run_job(model_name, method, threads))
-                print(json.dumps(rows[-1]), flush=True)
-                with jsonl.open("a") as f:
-                    f.write(json.dumps(rows[-1]) + "\n")
+                for row in run_job(model_name, [method], threads):
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+                    with jsonl.open("a") as f:
+                        f.write(json.dumps(row) + "\n")
     write_table(rows, RESULTS / f"{args.out}.md")
 
 

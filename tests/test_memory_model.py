@@ -1,0 +1,47 @@
+"""The memory model against TensorFlow's allocator, and the order the rewrite enforces.
+
+Slow-ish (about a minute on 2 cores): six fresh subprocesses, one per
+small model (a CNN with batch norm, a transformer block, an LSTM stack) and
+threading (TensorFlow's default, and one inter-op thread), each measuring
+tf.gradients and checkpoints='memory' on the same model and batch
+(benchmarks/predicted_vs_measured.py: allocator peak of a tf.function step
+minus its weight gradients, beside the prediction of `checkpoint_plan`).
+"""
+
+import pytest
+
+from benchmarks import predicted_vs_measured as pvm
+
+METHODS = ("tf.gradients", "memory")
+THREADS = ("default", "1")
+
+
+@pytest.fixture(scope="module")
+def rows():
+    found = {}
+    for model in pvm.SMALL_MODELS:
+        for threads in THREADS:
+            for row in pvm.run_job(model, METHODS, threads, timeout=600):
+                assert "error" not in row, row
+                found[model, row["method"], threads] = row
+    return found
+
+
+def _ratio(rows, model, threads):
+    return (rows[model, "memory", threads]["measured"]
+            / rows[model, "tf.gradients", threads]["measured"])
+
+
+@pytest.mark.parametrize("threads", THREADS)
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("model", ["cnn_bn", "transformer"])
+def test_predicted_peak_within_15_percent_of_measured(rows, model, method, threads):
+    row = rows[model, method, threads]
+    assert row["predicted"] == pytest.approx(row["measured"], rel=0.15), row
+
+
+@pytest.mark.parametrize("model", sorted(pvm.SMALL_MODELS))
+def test_saving_holds_with_one_inter_op_thread(rows, model):
+    default, single = _ratio(rows, model, "default"), _ratio(rows, model, "1")
+    assert single < 0.9, f"{model}: 'memory' keeps {single:.2f} of tf.gradients"
+    assert abs(default - single) <= 0.1, (model, default, single)
