@@ -2,12 +2,13 @@
 
     python -m benchmarks.predicted_vs_measured [--models a,b] [--threads default,1]
 
-For each model and method (tf.gradients, "memory", "speed") a fresh
-subprocess builds the model, traces one training step (forward and
-gradients in one tf.function, batch 8 for the image models), takes the
-prediction of `checkpoint_plan` from the same trace, and measures the step's
-allocator peak (`function_peak_bytes`, median of 3 calls after 2 warm-ups)
-minus the weight gradients it returns: activation memory, as predicted.
+For each model and threading a fresh subprocess builds the model and, for
+each method (tf.gradients, "memory", "speed") in turn, traces one training
+step (forward and gradients in one tf.function, batch 8 for the image
+models), takes the prediction of `checkpoint_plan` from the same trace, and
+measures the step's allocator peak (`function_peak_bytes`: statistics reset
+before each call; median of 3 calls after 2 warm-ups) minus the weight
+gradients it returns: activation memory, as predicted.
 With `--threads 1` the subprocess runs TensorFlow with one inter-op thread.
 Results go to results/predicted_vs_measured.{jsonl,md}; the small models
 (`SMALL_MODELS`) are the ones tests/test_memory_model.py measures.
@@ -62,12 +63,12 @@ def unet(pixels=64, depth=3, width=16):
     return build, _image_data(pixels)
 
 
-def _image_data(pixels):
+def _image_data(pixels, batch=IMAGE_BATCH):
     def data():
         import numpy as np
         rng = np.random.default_rng(0)
-        return (rng.normal(size=(IMAGE_BATCH, pixels, pixels, 3)).astype(np.float32),
-                rng.integers(0, 10, size=IMAGE_BATCH).astype(np.int32))
+        return (rng.normal(size=(batch, pixels, pixels, 3)).astype(np.float32),
+                rng.integers(0, 10, size=batch).astype(np.int32))
     return data
 
 
@@ -88,7 +89,7 @@ def family_model(name, size):
     return build, data
 
 
-def small_cnn(pixels=32, blocks=4, channels=16):
+def small_cnn(pixels=32, blocks=8, channels=16, batch=32):
     """Conv-BN-ReLU blocks: a CNN with batch norm, small enough for tests."""
     def build():
         import keras
@@ -98,7 +99,7 @@ def small_cnn(pixels=32, blocks=4, channels=16):
                        keras.layers.BatchNormalization(), keras.layers.ReLU()]
         layers += [keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(10)]
         return keras.Sequential(layers)
-    return build, _image_data(pixels)
+    return build, _image_data(pixels, batch)
 
 
 def transformer_block(seq=64, hidden=64, heads=4, batch=8):
@@ -253,12 +254,11 @@ def main(argv=None):
     jsonl = RESULTS / f"{args.out}.jsonl"
     for model_name in args.models.split(","):
         for threads in args.threads.split(","):
-            for method in args.methods.split(","):
-                for row in run_job(model_name, [method], threads):
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
-                    with jsonl.open("a") as f:
-                        f.write(json.dumps(row) + "\n")
+            for row in run_job(model_name, args.methods.split(","), threads):
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                with jsonl.open("a") as f:
+                    f.write(json.dumps(row) + "\n")
     write_table(rows, RESULTS / f"{args.out}.md")
 
 

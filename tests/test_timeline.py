@@ -90,15 +90,3 @@ def test_prediction_is_linear_in_model_size():
     plan = planning.make_plan(model, set(names[::141]), "list")
     est = timeline.predict(model, plan)
     assert est.peak_bytes < est.baseline_bytes / 20
-
-
-def test_weight_gradients_lag_one_layer_with_two_threads():
-    # Ops t01 and t04 send gradients to weights. With two threads t04's weight
-    # gradient still runs (its 30 B scratch, its reads) when t01's starts.
-    fields = {"workspace": {"t01": 50 * B, "t04": 30 * B},
-              "weight_grad_bytes": {"t01": 1, "t04": 1}}
-    base, _ = chain(6, reads="nothing", weight_grad_bytes={"t01": 1, "t04": 1})
-    one, _ = chain(6, reads="nothing", **fields)
-    two, _ = chain(6, reads="nothing", inter_op_threads=2, **fields)
-    assert timeline.predict(one).peak_bytes == timeline.predict(base).peak_bytes + 50 * B
-    assert timeline.predict(two).peak_bytes >= timeline.predict(base).peak_bytes + 80 * B

@@ -8,9 +8,10 @@ runs and freed after its last reader, as TensorFlow's executor does; a
 forward tensor's readers include the gradient ops that read it (from
 `model.grad_reads`, learnt from TensorFlow's registered gradients), so only
 what backprop needs is kept. Gradient ops also hold their output gradients
-and their scratch buffers (`model.workspace`) while they run; with more than
-one inter-op thread (`model.inter_op_threads`) an op's weight gradient runs
-beside the gradients after it, up to the next op with weights.
+and their scratch buffers (`model.workspace`) while they run. Ops run one
+at a time, as with one inter-op thread; TensorFlow's default threading runs
+independent ops side by side and measures higher on some models (see
+docs/planner.md).
 
 `predict(model)` prices stock `tf.gradients`; `predict(model, plan)` a plan.
 Both are linear in the size of the model.
@@ -167,28 +168,17 @@ class _Replay:
         self._backward(list(dict.fromkeys(roots)), {})
 
     def _backward(self, ops, sources):
-        """Runs the gradients of `ops` (topological order) in reverse order.
-
-        With two or more inter-op threads, TensorFlow runs an op's weight
-        gradient beside what follows it, up to the next op with weights:
-        what it reads and its scratch live that long.
-        """
+        """Runs the gradients of `ops` (topological order) in reverse order."""
         model = self.model
-        lagging = getattr(model, "inter_op_threads", 1) > 1
-        deferred, deferred_scratch = [], 0
         for op in reversed(ops):
             self.step += 1
             source = sources.get(op, lambda t: ("fwd", t))
-            used = [key for o in model.op_outputs[op] for key in self.pending.pop(o, ())]
-            used += [source(t) for t in gradient_reads(model, op)]
-            scratch = _lookup(model, "workspace", op)
-            has_weights = lagging and _lookup(model, "weight_grad_bytes", op)
-            if has_weights:
-                used, deferred = used + deferred, used
-                scratch, deferred_scratch = scratch + deferred_scratch, scratch
-            for key in used:
-                self._use(key)
-            self.transient.append((self.step, scratch))
+            for o in model.op_outputs[op]:
+                for key in self.pending.pop(o, ()):
+                    self._use(key)
+            for t in gradient_reads(model, op):
+                self._use(source(t))
+            self.transient.append((self.step, _lookup(model, "workspace", op)))
             for t in op_inputs(model, op):
                 if self.nodes[t]["float"]:
                     key = ("grad", op, t)
@@ -199,8 +189,6 @@ class _Replay:
                 key = ("weights", op)
                 self._alloc(key, weights)
                 self.last_use[key] = _END
-        for key in deferred:  # the phase ends when its last weight gradient has run
-            self._use(key)
 
     def _alloc(self, key, size):
         self.born[key] = (self.step, size)

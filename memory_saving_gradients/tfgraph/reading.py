@@ -21,7 +21,6 @@ Vocabulary used across the package:
 
 import dataclasses
 import math
-import os
 
 import networkx as nx
 import tensorflow as tf
@@ -78,7 +77,6 @@ class GraphModel:
         outputs while they run (measured; empty when not measurable).
       weight_grad_bytes: op name -> bytes of the gradients it sends to
         weights (region tensors that are not activations).
-      inter_op_threads: how many ops TensorFlow may run at once on CPU.
     """
     graph: nx.DiGraph
     order: tuple
@@ -92,7 +90,6 @@ class GraphModel:
     grad_reads: dict = dataclasses.field(default_factory=dict)
     workspace: dict = dataclasses.field(default_factory=dict)
     weight_grad_bytes: dict = dataclasses.field(default_factory=dict)
-    inter_op_threads: int = 1
 
     def op_of(self, tensor_name):
         return self.graph.nodes[tensor_name]["op"]
@@ -296,17 +293,8 @@ def build_model(ys, xs):
         region=frozenset(region_names),
         num_region_ops=len(ops),
         op_inputs={op.name: tuple(i.name for i in inputs[op]) for op in units},
-        inter_op_threads=_inter_op_threads(), **backprop)
+        **backprop)
 
-
-def _inter_op_threads():
-    """TensorFlow's inter-op thread count; 0 means one per CPU this process may use."""
-    configured = tf.config.threading.get_inter_op_parallelism_threads()
-    if configured:
-        return configured
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 def _record_backprop(op, op_inputs, activations, region_names, backprop):
