@@ -9,7 +9,8 @@ import networkx as nx
 
 from memory_saving_gradients.core import planning
 from memory_saving_gradients.core import timeline
-from memory_saving_gradients.tfgraph import reading
+from memory_saving_gradients.core.model import Activation
+from memory_saving_gradients.core.model import GraphModel
 
 B = 100
 
@@ -20,15 +21,14 @@ def chain(n, reads="output", **fields):
     graph = nx.DiGraph()
     graph.add_nodes_from(names)
     graph.add_edges_from(zip(names, names[1:]))
-    for name in names:
-        graph.nodes[name].update(op=name, op_type="Op", bytes=B, cost=1,
-                                 recomputable=True, float=True)
+    tensors = {n: Activation(name=n, op=n, op_type="Op", bytes=B, cost=1,
+                             recomputable=True, is_float=True) for n in names}
     preds = {n: tuple(graph.predecessors(n)) for n in names}
     grad_reads = {n: {"output": (n,), "input": preds[n], "nothing": ()}[reads] for n in names}
-    model = reading.GraphModel(
-        graph=graph, order=tuple(names), pinned=frozenset(), ys=(names[-1],),
-        op_outputs={n: (n,) for n in names}, other_bytes=0, region=frozenset(names),
-        num_region_ops=n, grad_reads=grad_reads, **fields)
+    model = GraphModel(
+        graph=graph, tensors=tensors, order=tuple(names), pinned=frozenset(), ys=(names[-1],),
+        op_outputs={n: (n,) for n in names}, num_region_ops=n, grad_reads=grad_reads,
+        **fields)
     return model, names
 
 

@@ -17,8 +17,14 @@ docs/planner.md).
 Both are linear in the size of the model.
 """
 
+from __future__ import annotations
+
 import dataclasses
 import itertools
+from typing import Optional
+
+from memory_saving_gradients.core.model import GraphModel
+from memory_saving_gradients.core.planning import Plan
 
 # Keep a forward tensor alive until the end of the step (ys, gradients that
 # nothing consumes): a step number later than any real one.
@@ -47,12 +53,12 @@ class Estimate:
     forward_flops: int
 
     @property
-    def memory_ratio(self):
+    def memory_ratio(self) -> float:
         """Predicted peak as a fraction of tf.gradients' activation memory."""
         return self.peak_bytes / max(self.baseline_bytes, 1)
 
 
-def predict(model, plan=None):
+def predict(model: GraphModel, plan: Optional[Plan] = None) -> Estimate:
     """Prices `plan` on `model` (None: stock tf.gradients). O(size of the model).
 
     Example: on a chain of n tanh ops of b bytes each, stock tf.gradients keeps
@@ -66,12 +72,11 @@ def predict(model, plan=None):
         replay = _Replay(model)
         peak = replay.run(plan.levels)
         recompute, largest = replay.recompute_flops, replay.largest_level_bytes
-        kept = model.tensor_bytes(plan.checkpoints)
-    nodes = model.graph.nodes
+        kept = model.bytes_of(plan.kept)
     return Estimate(
         peak_bytes=peak, kept_bytes=kept, largest_segment_bytes=largest,
         baseline_bytes=baseline, recompute_flops=recompute,
-        forward_flops=sum(nodes[outs[0]]["cost"] for outs in model.op_outputs.values()))
+        forward_flops=sum(model.tensors[outs[0]].cost for outs in model.op_outputs.values()))
 
 
 _BASELINES = {}  # id(model) -> (model, peak): the solver prices many plans per model
@@ -86,24 +91,23 @@ def _baseline_peak(model):
     return cached[1]
 
 
-def op_order(model):
+def op_order(model: GraphModel) -> list:
     """Op names in topological order (by their first output in `model.order`)."""
     return list(dict.fromkeys(model.op_of(n) for n in model.order))
 
 
-def gradient_reads(model, op):
+def gradient_reads(model: GraphModel, op: str) -> tuple:
     """Activation tensors the gradient of `op` reads.
 
     Models that do not say (hand-built ones) are assumed to read every
     activation input and output, as most ops' gradients do.
     """
-    reads = getattr(model, "grad_reads", None) or {}
-    if op in reads:
-        return reads[op]
+    if op in model.grad_reads:
+        return model.grad_reads[op]
     return tuple(op_inputs(model, op)) + tuple(model.op_outputs[op])
 
 
-def op_inputs(model, op):
+def op_inputs(model: GraphModel, op: str) -> list:
     """Activation tensors `op` reads, each once."""
     graph = model.graph
     return list(dict.fromkeys(p for o in model.op_outputs[op] for p in graph.predecessors(o)))
@@ -114,7 +118,7 @@ class _Replay:
 
     def __init__(self, model):
         self.model = model
-        self.nodes = model.graph.nodes
+        self.tensors = model.tensors
         self.ys = frozenset(model.ys)
         self.step = 0
         self.born = {}      # buffer key -> (first step, bytes)
@@ -144,7 +148,7 @@ class _Replay:
         for t in op_inputs(self.model, op):
             self._use(source(t))
         for o in self.model.op_outputs[op]:
-            self._alloc(where + (o,), self.nodes[o]["bytes"])
+            self._alloc(where + (o,), self.tensors[o].bytes)
             if o in self.ys:
                 self.last_use[where + (o,)] = _END  # returned or differentiated last
 
@@ -160,8 +164,8 @@ class _Replay:
 
         for op in running:
             self._forward(op, source, where)
-            self.recompute_flops += self.nodes[model.op_outputs[op][0]]["cost"]
-        self.largest_level_bytes = max(self.largest_level_bytes, model.tensor_bytes(local))
+            self.recompute_flops += self.tensors[model.op_outputs[op][0]].cost
+        self.largest_level_bytes = max(self.largest_level_bytes, model.bytes_of(local))
         self._backward(level.copy_ops, {op: source for op in level.copy_ops})
         # Roots that cannot be recomputed are differentiated after the copies.
         roots = [model.op_of(c) for c in level.checkpoints if model.op_of(c) in kept_roots]
@@ -180,9 +184,9 @@ class _Replay:
                 self._use(source(t))
             self.transient.append((self.step, _lookup(model, "workspace", op)))
             for t in op_inputs(model, op):
-                if self.nodes[t]["float"]:
+                if self.tensors[t].is_float:
                     key = ("grad", op, t)
-                    self._alloc(key, self.nodes[t]["bytes"])
+                    self._alloc(key, self.tensors[t].bytes)
                     self.pending.setdefault(t, []).append(key)
             weights = _lookup(model, "weight_grad_bytes", op)
             if weights:
@@ -217,7 +221,7 @@ class _Replay:
 
 
 def _lookup(model, field, op):
-    return (getattr(model, field, None) or {}).get(op, 0)
+    return getattr(model, field).get(op, 0)
 
 
 def _needed_copies(model, copy_ops):

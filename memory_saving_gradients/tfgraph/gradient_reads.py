@@ -12,6 +12,8 @@ before it is summed to the scale's gradient). Results are cached per op
 type, attributes, dtypes and shapes.
 """
 
+from __future__ import annotations
+
 import dataclasses
 import functools
 
@@ -36,7 +38,7 @@ class Reads:
     scratch_bytes: int = 0
 
 
-def gradient_reads(op):
+def gradient_reads(op: tf.Operation) -> Reads:
     """The `Reads` of `op`'s registered gradient (cached per kind of op).
 
     Ops without a gradient read nothing; ops whose gradient cannot be built
@@ -72,7 +74,7 @@ def _cached_reads(key, probe):  # pylint: disable=unused-argument  # key is the 
     op = probe.op
     everything = Reads(tuple(range(len(op.inputs))), tuple(range(len(op.outputs))))
     try:
-        grad_fn = compat.registered_gradient(op)
+        grad_fn = compat.gradient_function(op)
     except LookupError:
         return everything  # tf.gradients would raise; never planned around
     if grad_fn is None:
@@ -88,7 +90,9 @@ def _probe(op, grad_fn):
     scratch = tf.Graph()
     with scratch.as_default():
         inputs = [_stand_in(t, f"input{i}") for i, t in enumerate(op.inputs)]
-        copy = compat.create_op_like(scratch, op, inputs)
+        copy = compat.create_op_copy(scratch, op, inputs)
+        for old, new in zip(op.outputs, copy.outputs):
+            new.set_shape(old.shape)
         seeds = [None if t.dtype.base_dtype in _OPAQUE_DTYPES else _stand_in(t, f"grad{i}")
                  for i, t in enumerate(copy.outputs)]
         first_new = len(scratch.get_operations())

@@ -16,6 +16,8 @@ CPU allocator's peak statistic, so it runs while a step is traced, never
 while one is measured.
 """
 
+from __future__ import annotations
+
 import functools
 import inspect
 import logging
@@ -46,7 +48,7 @@ MEASURED_OP_TYPES = frozenset(_GRADIENT_OPS)
 _DEVICE = "CPU:0"
 
 
-def gradient_workspace_bytes(op):
+def gradient_workspace_bytes(op: tf.Operation) -> int:
     """Bytes `op`'s gradient ops allocate besides their outputs (0 if not measured)."""
     if op.type not in MEASURED_OP_TYPES or not all(
             t.shape.is_fully_defined() for t in list(op.inputs) + list(op.outputs)):
