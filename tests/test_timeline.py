@@ -5,6 +5,8 @@ out by hand from the schedule tf.gradients runs (forward, then each op's
 gradient in reverse order, each tensor freed after its last reader).
 """
 
+import dataclasses
+
 import networkx as nx
 
 from memory_saving_gradients.core import planning
@@ -90,3 +92,14 @@ def test_prediction_is_linear_in_model_size():
     plan = planning.make_plan(model, set(names[::141]), "list")
     est = timeline.predict(model, plan)
     assert est.peak_bytes < est.baseline_bytes / 20
+
+
+def test_aliasing_ops_allocate_nothing_and_keep_their_input():
+    # t01 is a Reshape of t00: no buffer of its own, and t00's buffer lives
+    # as long as t01 is read (here by t01's gradient, to the end of backprop).
+    plain, _ = chain(4, reads="output")
+    model, names = chain(4, reads="output")
+    tensors = dict(model.tensors)
+    tensors["t01"] = dataclasses.replace(tensors["t01"], op_type="Reshape")
+    reshaped = dataclasses.replace(model, tensors=tensors)
+    assert timeline.predict(reshaped).peak_bytes == timeline.predict(plain).peak_bytes - B

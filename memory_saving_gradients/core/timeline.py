@@ -26,6 +26,11 @@ from typing import Optional
 from memory_saving_gradients.core.model import GraphModel
 from memory_saving_gradients.core.planning import Plan
 
+# Ops whose output shares its input's buffer (TensorFlow forwards it): they
+# allocate nothing, and the input lives as long as the output is read.
+ALIASING_OP_TYPES = frozenset({"Reshape", "Identity", "ExpandDims", "Squeeze",
+                               "StopGradient", "PreventGradient"})
+
 # Keep a forward tensor alive until the end of the step (ys, gradients that
 # nothing consumes): a step number later than any real one.
 _END = float("inf")
@@ -125,6 +130,7 @@ class _Replay:
         self.last_use = {}  # buffer key -> last step it is read
         self.transient = []  # (step, bytes) of scratch buffers
         self.pending = {}   # tensor name -> keys of gradient parts waiting for its op
+        self.alias = {}     # buffer key -> the key whose buffer it shares
         self.recompute_flops = 0
         self.largest_level_bytes = 0
 
@@ -145,11 +151,17 @@ class _Replay:
     def _forward(self, op, source, where):
         """Runs `op` (an original or a copy): allocates its outputs, reads its inputs."""
         self.step += 1
-        for t in op_inputs(self.model, op):
+        inputs = op_inputs(self.model, op)
+        for t in inputs:
             self._use(source(t))
+        aliased = source(inputs[0]) if inputs and self.tensors[
+            self.model.op_outputs[op][0]].op_type in ALIASING_OP_TYPES else None
         for o in self.model.op_outputs[op]:
-            self._alloc(where + (o,), self.tensors[o].bytes)
+            self._alloc(where + (o,), 0 if aliased else self.tensors[o].bytes)
+            if aliased:
+                self.alias[where + (o,)] = aliased
             if o in self.ys:
+                self._use(where + (o,))
                 self.last_use[where + (o,)] = _END  # returned or differentiated last
 
     def _level(self, number, level, kept_roots):
@@ -199,8 +211,10 @@ class _Replay:
         self.last_use.setdefault(key, self.step)
 
     def _use(self, key):
-        if key in self.born and self.last_use[key] != _END:
-            self.last_use[key] = self.step
+        while key is not None:
+            if key in self.born and self.last_use[key] != _END:
+                self.last_use[key] = self.step
+            key = self.alias.get(key)
 
     def _weight_grad_bytes(self):
         return sum(size for key, (_, size) in self.born.items() if key[0] == "weights")
