@@ -224,7 +224,7 @@ def run_job(model_name, methods, threads, timeout=900):
 
 
 def write_table(rows, path):
-    """Markdown: predicted beside measured MiB per model, method and threading."""
+    """Markdown: predicted beside measured MiB, then the memory ratios per threading."""
     lines = ["| model | method | threads | predicted MiB | measured MiB | predicted/measured |",
              "|---|---|---|---|---|---|"]
     for r in rows:
@@ -235,7 +235,25 @@ def write_table(rows, path):
         lines.append(f"| {r['model']} | {r['method']} | {r['threads']} | "
                      f"{r['predicted'] / 2**20:.1f} | {r['measured'] / 2**20:.1f} | "
                      f"{r['predicted'] / max(r['measured'], 1):.2f} |")
-    path.write_text("\n".join(lines) + "\n")
+    path.write_text("\n".join(lines + [""] + ratio_lines(rows)) + "\n")
+
+
+def ratio_lines(rows):
+    """Markdown: measured activation memory of each mode / tf.gradients', per threading."""
+    measured = {(r["model"], r["method"], r["threads"]): r["measured"]
+                for r in rows if "error" not in r}
+    lines = ["| model | mode | default threads | 1 inter-op thread | difference |",
+             "|---|---|---|---|---|"]
+    for model in dict.fromkeys(r["model"] for r in rows):
+        for mode in METHODS[1:]:
+            ratios = [measured.get((model, mode, t), 0) / measured[model, METHODS[0], t]
+                      if measured.get((model, METHODS[0], t)) else None
+                      for t in ("default", "1")]
+            if None in ratios or 0 in ratios:
+                continue
+            lines.append(f"| {model} | {mode} | {ratios[0]:.2f} | {ratios[1]:.2f} | "
+                         f"{abs(ratios[0] - ratios[1]):.2f} |")
+    return lines
 
 
 def main(argv=None):
@@ -244,10 +262,16 @@ def main(argv=None):
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--threads", default="default,1")
     parser.add_argument("--out", default="predicted_vs_measured")
+    parser.add_argument("--report", action="store_true",
+                        help="only rewrite the .md table from the .jsonl rows")
     parser.add_argument("--job", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.job:
         print(json.dumps(measure(*json.loads(args.job))), flush=True)
+        return
+    if args.report:
+        rows = [json.loads(line) for line in (RESULTS / f"{args.out}.jsonl").open()]
+        write_table(rows, RESULTS / f"{args.out}.md")
         return
     RESULTS.mkdir(exist_ok=True)
     rows = []
