@@ -53,7 +53,14 @@ def _key(op):
                          for name, value in op.node_def.attr.items()
                          if not name.startswith("_")))
     signature = tuple((t.dtype.name, str(t.shape)) for t in list(op.inputs) + list(op.outputs))
-    return op.type, attrs, signature
+    return op.type, attrs, signature, _read_outputs(op)
+
+
+def _read_outputs(op):
+    """Which outputs are read: only those receive a gradient (others get zeros,
+    and some gradients skip work for zero seeds, e.g. the softmax cross
+    entropy's second-order term)."""
+    return tuple(bool(t.consumers()) for t in op.outputs)
 
 
 class _Probe:
@@ -93,8 +100,9 @@ def _probe(op, grad_fn):
         copy = compat.create_op_copy(scratch, op, inputs)
         for old, new in zip(op.outputs, copy.outputs):
             new.set_shape(old.shape)
-        seeds = [None if t.dtype.base_dtype in _OPAQUE_DTYPES else _stand_in(t, f"grad{i}")
-                 for i, t in enumerate(copy.outputs)]
+        seeds = [None if t.dtype.base_dtype in _OPAQUE_DTYPES
+                 else _stand_in(t, f"grad{i}") if read else _zeros(t)
+                 for i, (t, read) in enumerate(zip(copy.outputs, _read_outputs(op)))]
         first_new = len(scratch.get_operations())
         results = grad_fn(copy, *seeds)
         new_ops = scratch.get_operations()[first_new:]
@@ -136,6 +144,13 @@ def _bytes(tensor):
     for d in dims:
         count *= d or 1
     return count * tensor.dtype.size
+
+
+def _zeros(tensor):
+    """A seed tf.gradients' zero tests recognise (a constant, or ZerosLike)."""
+    if tensor.shape.is_fully_defined():
+        return tf.zeros(tensor.shape, tensor.dtype)
+    return tf.zeros_like(_stand_in(tensor, "unread"))
 
 
 def _stand_in(tensor, name):
