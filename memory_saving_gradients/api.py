@@ -14,7 +14,7 @@ import logging
 import tensorflow as tf
 
 from memory_saving_gradients.core import planning
-from memory_saving_gradients.core import simulation
+from memory_saving_gradients.core import timeline
 from memory_saving_gradients.core import strategies
 from memory_saving_gradients.core.model import GraphModel
 from memory_saving_gradients.tfgraph import captures
@@ -43,7 +43,7 @@ class CheckpointPlan:
         stateful or control-flow ops, their inputs, xs inside the region).
       num_recomputed_ops: ops copied and rerun during backprop.
       num_forward_ops: ops between xs and ys.
-      estimate: simulated memory and recompute cost (simulation.Estimate).
+      estimate: predicted memory and recompute cost (timeline.Estimate).
       notes: what the strategy chose and why, fallbacks taken, inputs ignored.
       plan, model: the core's plan and graph model, for inspection.
       feasible: False when the strategy could not meet its own target.
@@ -54,7 +54,7 @@ class CheckpointPlan:
     pinned: tuple
     num_recomputed_ops: int
     num_forward_ops: int
-    estimate: simulation.Estimate
+    estimate: timeline.Estimate
     notes: tuple
     plan: planning.Plan = dataclasses.field(repr=False)
     model: GraphModel = dataclasses.field(repr=False)
@@ -68,7 +68,7 @@ class CheckpointPlan:
             f"mode {self.mode!r}: keep {len(self.checkpoints)} checkpoints "
             f"(+{len(self.pinned)} pinned), recompute {self.num_recomputed_ops} of "
             f"{self.num_forward_ops} forward ops",
-            f"simulated activation memory {est.peak_bytes / 2**20:.1f} MiB vs "
+            f"predicted activation memory {est.peak_bytes / 2**20:.1f} MiB vs "
             f"{est.baseline_bytes / 2**20:.1f} MiB for tf.gradients "
             f"({est.memory_ratio:.0%}), extra forward work "
             f"{est.recompute_flops / max(est.forward_flops, 1):.0%}",

@@ -109,6 +109,7 @@ def test_segment_of_root_fed_by_checkpoints_is_the_root_alone():
 def test_simulated_memory_shrinks_like_sqrt_n(n):
     model, _ = chain_model(n)
     est = strategies.memory(model).estimate
-    assert est.baseline_bytes == n * 100
+    # Every tanh output is kept (its gradient reads it), plus gradients in flight.
+    assert n * 100 <= est.baseline_bytes <= (n + 2) * 100
     assert est.peak_bytes <= 2.5 * (n ** 0.5) * 100
     assert est.recompute_flops <= est.forward_flops

@@ -24,7 +24,6 @@ import numpy as np
 from memory_saving_gradients.core import cuts
 from memory_saving_gradients.core import planning
 from memory_saving_gradients.core import pricing
-from memory_saving_gradients.core import simulation
 from memory_saving_gradients.core import solvers
 from memory_saving_gradients.core.model import GraphModel
 
@@ -55,7 +54,7 @@ class Result:
     feasible: bool
     notes: tuple
     plan: planning.Plan = dataclasses.field(repr=False)
-    estimate: simulation.Estimate
+    estimate: pricing.timeline.Estimate
 
     @property
     def peak_bytes(self) -> int:
