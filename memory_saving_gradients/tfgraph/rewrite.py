@@ -149,11 +149,13 @@ class _Leaves:
         if not self.wanted(tensor.name):
             return tensor
         if tensor.name not in stubs:
-            if self._xla and arrived and _addable(tensor.dtype):
-                stub = _after(tensor, arrived[0])
-            else:
-                stub = tf.identity(tensor)
-            stub.op._set_device(tensor.op.device)  # pylint: disable=protected-access
+            # Where the original lives: a variable read has no device of its
+            # own, only its variable's colocation (each replica's copy).
+            with tensor.graph.colocate_with(tensor.op):
+                if self._xla and arrived and _addable(tensor.dtype):
+                    stub = _after(tensor, arrived[0])
+                else:
+                    stub = tf.identity(tensor)
             stubs[tensor.name] = stub
         return stubs[tensor.name]
 
