@@ -53,8 +53,8 @@ def _check_one_device(named: List[Tuple[str, object]]) -> None:
         if isinstance(value, tf.distribute.DistributedValues):
             continue  # a distributed variable resolves to this replica's copy
         device = getattr(value, "device", None) or ""
-        if (device and any(_same_device(device, d) for d in devices)
-                and not any(_same_device(device, d) for d in here)):
+        if (device and any(same_device(device, d) for d in devices)
+                and not any(same_device(device, d) for d in here)):
             raise ValueError(
                 f"{name} ({getattr(value, 'name', value)}) is on {device}, the "
                 f"device of another replica, but this replica runs on "
@@ -63,8 +63,11 @@ def _check_one_device(named: List[Tuple[str, object]]) -> None:
                 f"distributed variables pick each replica's copy")
 
 
-def _same_device(a: str, b: str) -> bool:
-    """True if device strings `a` and `b` name the same device (unset fields match)."""
+def same_device(a: str, b: str) -> bool:
+    """True if device strings `a` and `b` name the same device (unset fields match).
+
+    Example: same_device('/job:localhost/replica:0/task:0/device:CPU:1', 'CPU:1').
+    """
     spec_a, spec_b = tf.DeviceSpec.from_string(a), tf.DeviceSpec.from_string(b)
     fields = ("job", "replica", "task", "device_type", "device_index")
     return all(getattr(spec_a, f) is None or getattr(spec_b, f) is None
