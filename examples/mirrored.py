@@ -14,6 +14,7 @@ and the largest difference of the final weights is printed.
 """
 
 import argparse
+import logging
 
 import numpy as np
 import tensorflow as tf
@@ -80,6 +81,8 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--batch", type=int, default=16, help="global batch size")
     args = parser.parse_args(argv)
+    logging.basicConfig(format="%(message)s")
+    logging.getLogger("memory_saving_gradients").setLevel(logging.INFO)  # print the plans
     strategy = tf.distribute.MirroredStrategy(split_cpu(args.devices))
     ours = train(strategy, msg.gradients_memory, args.steps, args.batch)
     stock = train(strategy, tf.gradients, args.steps, args.batch)

@@ -18,6 +18,7 @@ weights, so a run shows that checkpointing changes nothing but memory.
 """
 
 import argparse
+import logging
 import json
 
 import numpy as np
@@ -33,6 +34,8 @@ def main(argv=None):
     parser.add_argument("--batch", type=int, default=16, help="global batch size")
     parser.add_argument("--out", help="write the final weights here as JSON")
     args = parser.parse_args(argv)
+    logging.basicConfig(format="%(message)s")
+    logging.getLogger("memory_saving_gradients").setLevel(logging.INFO)  # print the plans
     # Reads the cluster from TF_CONFIG; must come before any other TF op runs.
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     results = {name: mirrored.train(strategy, grad_fn, args.steps, args.batch)
