@@ -25,6 +25,10 @@ from memory_saving_gradients.integrations.patching import active_checkpoints  # 
 stock_gradients = gradients_impl.gradients  # whatever a patch does to tf.gradients
 UNPATCHED = tf.gradients
 WIDTH = 32
+# One strategy on all four devices for every case that runs collectives: each
+# strategy numbers its collective groups and instances from the same start,
+# so two strategies' collectives clash in one process (a TensorFlow limit).
+FOUR = tf.distribute.MirroredStrategy(DEVICES)
 
 
 def _weights(strategy, depth=6, width=WIDTH):
@@ -66,7 +70,7 @@ def _copies(graph, replica, op_type=None):
 
 @pytest.mark.parametrize("replicas", [2, 4])
 def test_per_replica_gradients_match_stock(replicas):
-    strategy = tf.distribute.MirroredStrategy(DEVICES[:replicas])
+    strategy = FOUR if replicas == 4 else tf.distribute.MirroredStrategy(DEVICES[:replicas])
     weights = _weights(strategy)
 
     @tf.function
@@ -85,7 +89,7 @@ def test_per_replica_gradients_match_stock(replicas):
 
 
 def test_keras_training_on_four_replicas_matches_stock():
-    strategy = tf.distribute.MirroredStrategy(DEVICES)
+    strategy = FOUR
     initial = mirrored.train(strategy, tf.gradients, steps=0, global_batch=16)
     ours = mirrored.train(strategy, msg.gradients_memory, steps=3, global_batch=16)
     stock = mirrored.train(strategy, tf.gradients, steps=3, global_batch=16)
@@ -95,7 +99,7 @@ def test_keras_training_on_four_replicas_matches_stock():
 
 
 def test_checkpointing_around_strategy_run_reaches_every_replica():
-    strategy = tf.distribute.MirroredStrategy(DEVICES)
+    strategy = FOUR
     weights = _weights(strategy)
 
     def step(inputs):
@@ -116,7 +120,7 @@ def test_checkpointing_around_strategy_run_reaches_every_replica():
 
 def test_replicas_enter_checkpointing_concurrently():
     """Each replica thread enters its own block; all are open at once (merge_call)."""
-    strategy = tf.distribute.MirroredStrategy(DEVICES)
+    strategy = FOUR
     weights = _weights(strategy)
     modes = ("memory", "speed")
     seen = {}
@@ -143,7 +147,7 @@ def test_replicas_enter_checkpointing_concurrently():
 
 def test_collectives_in_the_forward_pass_are_never_copied():
     import keras
-    strategy = tf.distribute.MirroredStrategy(DEVICES[:2])
+    strategy = FOUR
     weights = _weights(strategy, depth=4)
     with strategy.scope():
         norm = keras.layers.BatchNormalization(synchronized=True)
@@ -165,7 +169,7 @@ def test_collectives_in_the_forward_pass_are_never_copied():
     graph = step.get_concrete_function(inputs).graph
     collectives = [op for op in graph.get_operations() if op.type.startswith("Collective")]
     assert collectives, "the model has no collective op to keep"
-    for replica in range(2):
+    for replica in range(4):
         assert _copies(graph, replica), f"replica {replica} recomputed nothing"
         copied = [op.name for op in _copies(graph, replica)
                   if op.type.startswith("Collective")]

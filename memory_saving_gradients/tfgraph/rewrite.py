@@ -149,13 +149,14 @@ class _Leaves:
         if not self.wanted(tensor.name):
             return tensor
         if tensor.name not in stubs:
-            # Where the original lives: a variable read has no device of its
-            # own, only its variable's colocation (each replica's copy).
-            with tensor.graph.colocate_with(tensor.op):
-                if self._xla and arrived and _addable(tensor.dtype):
-                    stub = _after(tensor, arrived[0])
-                else:
-                    stub = tf.identity(tensor)
+            if self._xla and arrived and _addable(tensor.dtype):
+                stub = _after(tensor, arrived[0])
+            else:
+                stub = tf.identity(tensor)
+            # A variable read has no device of its own: its stub then keeps the
+            # caller's device scope, which under tf.distribute is the replica's.
+            if tensor.op.device:
+                stub.op._set_device(tensor.op.device)  # pylint: disable=protected-access
             stubs[tensor.name] = stub
         return stubs[tensor.name]
 
