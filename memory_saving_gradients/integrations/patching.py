@@ -97,7 +97,7 @@ def _dispatcher(original: Callable) -> Callable:
     return dispatch
 
 
-def patch_tf_gradients(checkpoints="memory"):
+def patch_tf_gradients(checkpoints="memory") -> None:
     """Makes tf.gradients and tf.compat.v1.gradients checkpoint with `checkpoints`.
 
     `checkpoints` is any value `gradients` accepts ('memory', 'speed',
@@ -105,13 +105,11 @@ def patch_tf_gradients(checkpoints="memory"):
     the same thread. Called in the main thread it holds for every thread;
     called in another thread, for that thread only.
     """
-    if isinstance(checkpoints, str) and checkpoints not in api.MODES:
-        raise ValueError(f"unknown checkpoints mode {checkpoints!r}: use one of "
-                         f"{', '.join(map(repr, api.MODES))} or a list of tensors")
+    api.validate_checkpoints(checkpoints)
     _patches.push(checkpoints)
 
 
-def unpatch_tf_gradients():
+def unpatch_tf_gradients() -> None:
     """Undoes this thread's most recent `patch_tf_gradients`.
 
     When no patch is left in any thread, tf.gradients and
