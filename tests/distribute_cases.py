@@ -176,6 +176,35 @@ def test_collectives_in_the_forward_pass_are_never_copied():
         assert not copied, f"collectives copied in replica {replica}: {copied}"
 
 
+def test_each_replica_keeps_only_its_own_collection_tensors():
+    """All replicas share one graph, and its 'checkpoints' collection."""
+    strategy = tf.distribute.MirroredStrategy(DEVICES[:2])
+    weights = _weights(strategy)
+    chosen = {}
+
+    @tf.function
+    def step(inputs):
+        def replica_step(inputs):
+            replica = int(tf.get_static_value(
+                tf.distribute.get_replica_context().replica_id_in_sync_group))
+            h = inputs
+            for i, w in enumerate(weights):
+                h = tf.tanh(tf.matmul(h, w))
+                if i % 2:
+                    tf.compat.v1.add_to_collection("checkpoints", h)
+            loss = tf.reduce_sum(h * h)
+            plan = msg.checkpoint_plan(loss, weights, checkpoints="collection")
+            chosen[replica] = [t.name for t in plan.checkpoints]
+            return (msg.gradients(loss, weights, checkpoints="collection"),
+                    stock_gradients(loss, weights))
+        return strategy.run(replica_step, (inputs,))
+
+    _assert_same_per_replica(strategy, *step(_inputs(strategy)))
+    assert chosen[0] and chosen[1]
+    assert not any(n.startswith("replica_1/") for n in chosen[0]), chosen
+    assert all(n.startswith("replica_1/") for n in chosen[1]), chosen
+
+
 def test_gradients_in_cross_replica_context_names_strategy_run():
     strategy = tf.distribute.MirroredStrategy(DEVICES[:2])
     weights = _weights(strategy)

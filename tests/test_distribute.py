@@ -2,9 +2,10 @@
 
 TensorFlow fixes its devices at its first op, so what needs several devices
 or processes runs in fresh processes, each bounded in time and killed if it
-overruns: tests/distribute_cases.py on 4 logical CPU devices, the two
-examples, and two MultiWorkerMirroredStrategy workers on localhost. Those are
-marked slow (about a minute each on a busy 2-core machine).
+overruns: tests/distribute_cases.py on 4 logical CPU devices, the examples
+(MirroredStrategy, a parameter-server cluster in one process), and two
+MultiWorkerMirroredStrategy workers on localhost. Those are marked slow (one
+to four minutes each on a busy 2-core machine).
 """
 
 import json
@@ -61,9 +62,11 @@ def test_cases_on_four_logical_cpus():
 
 
 @pytest.mark.slow
-def test_mirrored_example_trains_as_stock():
-    result = _python(["-m", "examples.mirrored", "--devices", "2", "--steps", "2"],
-                     timeout=600)
+@pytest.mark.parametrize("example", [
+    ["examples.mirrored", "--devices", "2", "--steps", "2"],
+    ["examples.parameter_server", "--steps", "2"]], ids=["mirrored", "parameter_server"])
+def test_example_trains_as_stock(example):
+    result = _python(["-m", *example], timeout=600)
     assert result.returncode == 0, result.stdout[-4000:]
     difference = re.search(r"checkpointing vs tf.gradients: (\S+)", result.stdout)
     assert difference and float(difference.group(1)) <= 1e-5, result.stdout[-4000:]
