@@ -21,6 +21,7 @@ DEVICES = mirrored.split_cpu(4)  # before any op runs
 
 import memory_saving_gradients as msg  # noqa: E402
 from memory_saving_gradients.integrations.patching import active_checkpoints  # noqa: E402
+from memory_saving_gradients.tfgraph.replicas import same_device  # noqa: E402
 
 stock_gradients = gradients_impl.gradients  # whatever a patch does to tf.gradients
 UNPATCHED = tf.gradients
@@ -86,6 +87,9 @@ def test_per_replica_gradients_match_stock(replicas):
     graph = step.get_concrete_function(inputs).graph
     for replica in range(replicas):
         assert _copies(graph, replica, "Tanh"), f"replica {replica} recomputed nothing"
+        elsewhere = [(op.name, op.device) for op in _copies(graph, replica)
+                     if not op.device or not same_device(op.device, DEVICES[replica])]
+        assert not elsewhere, f"replica {replica}: copies not on {DEVICES[replica]}"
 
 
 def test_keras_training_on_four_replicas_matches_stock():
@@ -309,7 +313,7 @@ def test_copies_run_on_their_replicas_device(session_runs):
         copies = [op.name for op in _copies(run.graph, replica)]
         placed = {name: run.placement[name] for name in copies if name in run.placement}
         assert len(placed) >= run.DEPTH, f"replica {replica}: too few copies ran: {placed}"
-        elsewhere = {n: d for n, d in placed.items() if not msg.tfgraph.replicas.same_device(d, device)}
+        elsewhere = {n: d for n, d in placed.items() if not same_device(d, device)}
         assert not elsewhere, f"replica {replica} on {device}: copies ran elsewhere: {elsewhere}"
 
 
