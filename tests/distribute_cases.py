@@ -331,3 +331,33 @@ def test_each_replica_saves_activation_memory_as_one_device_does(session_runs):
         # As on one device, within an activation or so.
         assert abs(ours - units[(1, "ours")][0]) <= 1.5, (device, units)
         assert abs(stock - units[(1, "stock")][0]) <= 1.5, (device, units)
+
+
+def test_recurrent_layers_rerun_per_replica():
+    """v2 while loops (Keras LSTM) are rerun in each replica's own copy."""
+    import keras
+    strategy = tf.distribute.MirroredStrategy(DEVICES[:2])
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        layers = [keras.layers.LSTM(8, return_sequences=True) for _ in range(2)]
+        for layer in layers:
+            layer.build((None, 5, 8))
+    xs = [v.value for layer in layers for v in layer.trainable_variables]
+
+    @tf.function
+    def step(inputs):
+        def replica_step(inputs):
+            h = inputs
+            for layer in layers:
+                h = layer(h)
+            loss = tf.reduce_sum(h * h)
+            return msg.gradients(loss, xs, checkpoints="memory"), stock_gradients(loss, xs)
+        return strategy.run(replica_step, (inputs,))
+
+    inputs = strategy.experimental_distribute_values_from_function(
+        lambda ctx: tf.random.stateless_normal([4, 5, 8], seed=[ctx.replica_id_in_sync_group, 2]))
+    _assert_same_per_replica(strategy, *step(inputs))
+    graph = step.get_concrete_function(inputs).graph
+    for replica in range(2):
+        loops = [op for op in _copies(graph, replica) if op.type in ("While", "StatelessWhile")]
+        assert loops, f"replica {replica} reran no loop"
