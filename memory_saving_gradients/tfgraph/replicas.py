@@ -45,7 +45,10 @@ def _check_one_device(named: List[Tuple[str, object]]) -> None:
     """In a replica of a multi-device strategy, every value is on its device or none."""
     if not tf.distribute.has_strategy():
         return
-    devices = tf.distribute.get_strategy().extended.worker_devices
+    try:
+        devices = tf.distribute.get_strategy().extended.worker_devices
+    except (AttributeError, NotImplementedError, RuntimeError):
+        return  # a strategy that does not list its devices: nothing to compare with
     if len(devices) < 2:
         return
     here = tf.nest.flatten(tf.distribute.get_replica_context().devices)
