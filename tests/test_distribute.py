@@ -86,6 +86,8 @@ def _free_ports(count):
 
 @pytest.mark.slow
 def test_multi_worker_example_gives_both_workers_stocks_weights(tmp_path):
+    """Two workers on 127.0.0.1; they talk over loopback only, but TensorFlow's
+    gRPC server listens on every interface (its port is free and short-lived)."""
     cluster = {"worker": [f"127.0.0.1:{port}" for port in _free_ports(2)]}
     outputs = [tmp_path / f"worker{index}.json" for index in range(2)]
     workers = []
