@@ -17,6 +17,7 @@ from memory_saving_gradients.core import planning
 from memory_saving_gradients.core import simulation
 from memory_saving_gradients.core import strategies
 from memory_saving_gradients.core.model import GraphModel
+from memory_saving_gradients.tfgraph import captures
 from memory_saving_gradients.tfgraph import op_kinds
 from memory_saving_gradients.tfgraph import reading
 from memory_saving_gradients.tfgraph import replicas
@@ -105,11 +106,23 @@ def gradients(ys, xs, grad_ys=None, checkpoints="collection", **kwargs):
     unconnected = tf.UnconnectedGradients(
         tf_kwargs.pop("unconnected_gradients", tf.UnconnectedGradients.NONE))
     name = tf_kwargs.pop("name", None) or "gradients"
-    report = _plan(ys, xs, checkpoints)
+    graph = ys[0].graph
+    local = [x for x in xs if x.graph is graph]
+    # xs of enclosing graphs are reached through this graph's captures; past
+    # them, tf.gradients goes on through the enclosing graphs' ops, and so do we.
+    entries = captures.differentiable_captures(graph) if len(local) < len(xs) else []
+    sources = local + [internal for _, internal in entries]
+    report = _plan(ys, sources, checkpoints)
     logger.info("memory_saving_gradients: %s", str(report).replace("\n", "; "))
-    with ys[0].graph.name_scope(name):
-        return rewrite.backprop(report.reading, report.plan, ys, xs, grad_ys, stops, tf_kwargs,
-                                unconnected)
+    with graph.name_scope(name):
+        found = rewrite.backprop(report.reading, report.plan, ys, sources, grad_ys, stops,
+                                 tf_kwargs, unconnected)
+        by_x = dict(zip(map(id, local), found))
+        outer = [x for x in xs if x.graph is not graph]
+        if outer:
+            by_x.update(zip(map(id, outer), captures.beyond(
+                entries, found[len(local):], outer, unconnected)))
+        return [by_x[id(x)] for x in xs]
 
 
 @tf.autograph.experimental.do_not_convert
@@ -138,7 +151,7 @@ def checkpoint_plan(ys, xs, checkpoints="memory"):
       >>> print(memory_saving_gradients.checkpoint_plan(loss, model.weights))
     """
     ys, xs, _ = _normalise(ys, xs, None)
-    return _plan(ys, xs, checkpoints)
+    return _plan(ys, [x for x in xs if x.graph is ys[0].graph], checkpoints)
 
 
 def validate_checkpoints(checkpoints) -> str:
@@ -216,7 +229,9 @@ def _normalise(ys, xs, grad_ys):
                          f"another: call gradients inside the graph or tf.function "
                          f"that built ys")
     _check_same_graph(ys, graph, "ys")
-    _check_same_graph(xs, graph, "xs")
+    for x in xs:
+        if not captures.encloses(x.graph, graph):
+            _check_same_graph([x], graph, "xs")
     if grad_ys is not None:
         grad_ys = _as_tensors(grad_ys, "grad_ys", allow_none=True)
         if len(grad_ys) != len(ys):
@@ -244,10 +259,16 @@ def _as_tensors(values, what, allow_variables=False, allow_none=False):
                        else tf.convert_to_tensor(v))
         elif tf.is_symbolic_tensor(v):
             out.append(v)
+        elif what == "xs" and isinstance(v, tf.Tensor) and _in_function():
+            out.append(tf.convert_to_tensor(v))  # an eager tensor: captured, as tf.gradients does
         else:
             raise TypeError(f"{what}[{i}] must be a tf.Tensor in a graph, got "
                             f"{type(v).__name__}: {v!r}")
     return out
+
+
+def _in_function():
+    return hasattr(tf.compat.v1.get_default_graph(), "captures")  # a tf.function's FuncGraph
 
 
 def _check_same_graph(tensors, graph, what):

@@ -4,8 +4,10 @@ The classic one-liner still works::
 
     tf.__dict__["gradients"] = memory_saving_gradients.gradients_memory
 
-These helpers do the same for both tf.gradients and tf.compat.v1.gradients,
-and put the originals back.
+These helpers do the same for tf.gradients, tf.compat.v1.gradients and the
+function the TF1 optimizers call (`Optimizer.compute_gradients`), route
+`tf.GradientTape.gradient` inside tf.function through the same mode (see
+integrations/tape.py), and put the originals back.
 
 Which mode is in force is asked per thread, because tf.distribute traces each
 replica of `strategy.run` in a thread of its own: a patch made in the main
@@ -24,8 +26,11 @@ from typing import Callable, Dict, List, Optional
 import tensorflow as tf
 
 from memory_saving_gradients import api
+from memory_saving_gradients.integrations import tape
+from memory_saving_gradients.tfgraph import compat
 
-_TARGETS = ((tf, "gradients"), (tf.compat.v1, "gradients"))
+_TARGETS = ((tf, "gradients"), (tf.compat.v1, "gradients"),
+            (compat.tf1_optimizer_gradients_module(), "gradients"))
 
 
 class _Patches:
@@ -98,7 +103,8 @@ def _dispatcher(original: Callable) -> Callable:
 
 
 def patch_tf_gradients(checkpoints="memory") -> None:
-    """Makes tf.gradients and tf.compat.v1.gradients checkpoint with `checkpoints`.
+    """Makes tf.gradients, tf.compat.v1.gradients, the TF1 optimizers and
+    GradientTape.gradient inside tf.function checkpoint with `checkpoints`.
 
     `checkpoints` is any value `gradients` accepts ('memory', 'speed',
     'collection' or a list of tensors). Undo with `unpatch_tf_gradients()` in
@@ -106,6 +112,7 @@ def patch_tf_gradients(checkpoints="memory") -> None:
     called in another thread, for that thread only.
     """
     api.validate_checkpoints(checkpoints)
+    tape.install(active_checkpoints)
     _patches.push(checkpoints)
 
 
