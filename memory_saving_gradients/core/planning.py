@@ -5,9 +5,12 @@ exactly, and the simulator prices the same `Plan`, so what is predicted is
 what is built.
 """
 
-import dataclasses
+from __future__ import annotations
 
-import toposort
+import dataclasses
+from typing import Iterable
+
+from memory_saving_gradients.core.model import GraphModel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,11 +46,11 @@ class Plan:
     notes: tuple = ()
 
     @property
-    def num_recomputed_ops(self):
+    def num_recomputed_ops(self) -> int:
         return sum(len(level.copy_ops) for level in self.levels)
 
 
-def expand_to_ops(model, names):
+def expand_to_ops(model: GraphModel, names: Iterable[str]) -> set:
     """All activation outputs of the ops producing `names`.
 
     Gradients stop per op, so keeping one output of a multi-output op and
@@ -56,7 +59,7 @@ def expand_to_ops(model, names):
     return {o for n in names for o in model.op_outputs[model.op_of(n)]}
 
 
-def segment(model, root, checkpoints):
+def segment(model: GraphModel, root: str, checkpoints) -> tuple[set, set]:
     """Tensors recomputed to rebuild `root` from the checkpoints above it.
 
     Returns (recomputed tensor names, checkpoints read). A root that cannot be
@@ -80,7 +83,7 @@ def segment(model, root, checkpoints):
     return recomputed, needed
 
 
-def shared_tensors(model, checkpoints):
+def shared_tensors(model: GraphModel, checkpoints) -> set:
     """Dropped tensors that more than one checkpoint's segment would recompute.
 
     Keeping them bounds recomputation to once per op, which matters on
@@ -128,28 +131,27 @@ def _top_region(model, checkpoints):
     return seen
 
 
-def make_plan(model, chosen, strategy, notes=()):
+def make_plan(model: GraphModel, chosen: Iterable[str], strategy: str, notes=()) -> Plan:
     """Builds the Plan that keeps `chosen` plus the model's pinned tensors.
 
     Each checkpoint's segment is the ops between it and the nearest checkpoints
-    above it. Checkpoints are grouped into levels with `toposort` so a level is
-    recomputed only after every checkpoint that reads it has sent its gradient.
-    Ops that two gradient calls would reach are kept too (`split_ops`), which
-    takes a pass per round of additions (rarely more than one). Linear in the
-    model size per level and pass.
+    above it. Checkpoints are grouped into levels (layers of the dependency
+    order) so a level is recomputed only after every checkpoint that reads it
+    has sent its gradient. Ops that two gradient calls would reach are kept
+    too (`split_ops`), a pass per round of additions (rarely more than one).
+    Linear in the model size per level and pass.
     """
     rank = {n: i for i, n in enumerate(model.order)}
     checkpoints = expand_to_ops(model, chosen) | set(model.pinned)
     while True:
         segments = {c: segment(model, c, checkpoints) for c in checkpoints}
-        groups = list(toposort.toposort({c: read for c, (_, read) in segments.items()}))
+        groups = _layers({c: read for c, (_, read) in segments.items()}, rank)
         split = split_ops(model, checkpoints, segments, groups)
         if not split:
             break
         checkpoints |= expand_to_ops(model, split)
     levels = []
     for group in groups:
-        group = sorted(group, key=rank.__getitem__)
         owners = {}
         for c in group:
             for op in {model.op_of(t) for t in segments[c][0]}:
@@ -163,3 +165,18 @@ def make_plan(model, chosen, strategy, notes=()):
                 kept=tuple(sorted(checkpoints, key=rank.__getitem__)),
                 chosen=tuple(sorted(expand_to_ops(model, chosen), key=rank.__getitem__)),
                 levels=tuple(levels), notes=tuple(notes))
+
+
+def _layers(deps, rank):
+    """Checkpoints grouped by their longest chain of dependencies, first layer first.
+
+    The layers a Kahn-style topological sort gives, in one pass over the topological
+    order instead of one pass per layer (thousands of layers on deep nets).
+    """
+    depth = {}
+    for c in sorted(deps, key=rank.__getitem__):
+        depth[c] = 1 + max((depth[d] for d in deps[c]), default=-1)
+    layers = [[] for _ in range(1 + max(depth.values(), default=-1))]
+    for c, d in depth.items():
+        layers[d].append(c)
+    return layers

@@ -4,8 +4,10 @@ The classic one-liner still works::
 
     tf.__dict__["gradients"] = memory_saving_gradients.gradients_memory
 
-These helpers do the same for both tf.gradients and tf.compat.v1.gradients,
-and put the originals back.
+These helpers do the same for tf.gradients, tf.compat.v1.gradients and the
+function the TF1 optimizers call (`Optimizer.compute_gradients`), route
+`tf.GradientTape.gradient` inside tf.function through the same mode (see
+integrations/tape.py), and put the originals back.
 """
 
 import contextlib
@@ -14,18 +16,23 @@ import functools
 import tensorflow as tf
 
 from memory_saving_gradients import api
+from memory_saving_gradients.integrations import tape
+from memory_saving_gradients.tfgraph import compat
 
-_TARGETS = ((tf, "gradients"), (tf.compat.v1, "gradients"))
+_TARGETS = ((tf, "gradients"), (tf.compat.v1, "gradients"),
+            (compat.tf1_optimizer_gradients_module(), "gradients"))
 _saved = []  # stack of (checkpoints, the functions it replaced), for nesting
 
 
-def patch_tf_gradients(checkpoints="memory"):
-    """Makes tf.gradients and tf.compat.v1.gradients checkpoint with `checkpoints`.
+def patch_tf_gradients(checkpoints="memory") -> None:
+    """Makes tf.gradients, tf.compat.v1.gradients, the TF1 optimizers and
+    GradientTape.gradient inside tf.function checkpoint with `checkpoints`.
 
     `checkpoints` is any value `gradients` accepts ('memory', 'speed',
-    'collection' or a list of tensors). Undo with `unpatch_tf_gradients()`.
+    'collection', a list of tensors, `budget(max_bytes)` or a callable strategy). Undo with `unpatch_tf_gradients()`.
     """
     api.validate_checkpoints(checkpoints)
+    tape.install(active_checkpoints)
     replacement = tf.autograph.experimental.do_not_convert(
         functools.partial(api.gradients, checkpoints=checkpoints))
     _saved.append((checkpoints, [getattr(module, name) for module, name in _TARGETS]))
@@ -33,7 +40,7 @@ def patch_tf_gradients(checkpoints="memory"):
         setattr(module, name, replacement)
 
 
-def unpatch_tf_gradients():
+def unpatch_tf_gradients() -> None:
     """Restores the functions the most recent `patch_tf_gradients` replaced."""
     if not _saved:
         raise RuntimeError("tf.gradients is not patched by memory_saving_gradients; "

@@ -7,11 +7,13 @@ function is a thin, named accessor; logic lives in the modules that call them.
 from __future__ import annotations
 
 import tensorflow as tf
+from tensorflow.python.eager import record
 from tensorflow.python.framework import op_def_registry
 from tensorflow.python.framework import ops as tf_ops
 from tensorflow.python.ops import control_flow_util
 from tensorflow.python.ops import control_flow_util_v2
 from tensorflow.python.ops import default_gradient
+from tensorflow.python.ops import gradients as gradients_module
 from tensorflow.python.ops import gradients_impl
 
 # Captured at import so that patching tf.gradients never makes us call ourselves.
@@ -92,3 +94,17 @@ def create_op_copy(graph: tf.Graph, op: tf.Operation, inputs: list) -> tf.Operat
 def orders_stateful_ops(graph: tf.Graph) -> bool:
     """True for a tf.function graph, which orders stateful ops in program order."""
     return getattr(graph, "_add_control_dependencies", False)
+
+
+def tf1_optimizer_gradients_module():
+    """The module whose `gradients` the TF1 optimizers call.
+
+    `tf.compat.v1.train.Optimizer.compute_gradients` calls
+    `tensorflow.python.ops.gradients.gradients`, not `tf.gradients`.
+    """
+    return gradients_module
+
+
+def any_tape_recording() -> bool:
+    """True while any GradientTape or ForwardAccumulator could record new ops."""
+    return record.could_possibly_record()

@@ -25,17 +25,34 @@ def is_numeric(dtype: tf.DType) -> bool:
     return dtype.is_floating or dtype.is_integer or dtype.is_complex
 
 
-def wait_for_gradient(tensor: tf.Tensor, gradient) -> tf.Tensor:
-    """`tensor` plus a zero computed from one element of `gradient`.
+def gate(gradients: list):
+    """A scalar that exists only once all `gradients` do; None if none is numeric.
 
-    A data dependency that XLA must respect (it drops control inputs). The
-    zero is `0 * (g != g)` cast: never NaN (unlike `0 * g` for an infinite g),
-    and XLA folds `x * 0` only for integers, so it stays.
+    A level's recomputation waits for it: for the gradients reaching the
+    level, and for every gradient the previous phase returned, so that
+    phase's gradient ops, weight gradients (Conv2DBackpropFilter, ...)
+    included, have run and its recomputed tensors are free. Without it,
+    TensorFlow with one inter-op thread defers weight gradients to the end of
+    the step and every level's copies stay alive together. It reads one
+    element of each gradient: `g != g` is never NaN (unlike `0 * g` for an
+    infinite g).
+    """
+    elements = [tf.reshape(gradient_values(g), [-1])[:1] for g in gradients
+                if is_numeric(gradient_values(g).dtype)]
+    if not elements:
+        return None
+    with tf.name_scope("wait_for_gradients"):
+        return tf.reduce_any(tf.concat([tf.not_equal(e, e) for e in elements], axis=0))
+
+
+def wait_for_gate(tensor: tf.Tensor, level_gate: tf.Tensor) -> tf.Tensor:
+    """`tensor` plus a zero computed from `level_gate` (see `gate`).
+
+    A data dependency that XLA must respect (it drops control inputs); XLA
+    folds `x * 0` only for integers, so it stays.
     """
     with tf.name_scope("wait_for_gradient"):
-        element = tf.reshape(gradient_values(gradient), [-1])[:1]
-        unordered = tf.reduce_any(tf.not_equal(element, element))
-        return tensor + tf.cast(unordered, tensor.dtype) * tf.zeros([], tensor.dtype)
+        return tensor + tf.cast(level_gate, tensor.dtype) * tf.zeros([], tensor.dtype)
 
 
 class Boundary:
@@ -56,22 +73,23 @@ class Boundary:
     def holds(self, name: str) -> bool:
         return name in self._kept or name in self._x_names or self._reading.is_weight(name)
 
-    def stub(self, tensor: tf.Tensor, stubs: dict, arrived: list) -> tf.Tensor:
+    def stub(self, tensor: tf.Tensor, stubs: dict, level_gate) -> tf.Tensor:
         """The level's stub for `tensor` (made on first use), or `tensor` itself.
 
-        `arrived` are the numeric gradients reaching the level. XLA (jit_compile)
-        drops the control inputs that make copies wait for them, then runs
-        the copies early or merges them with their originals (CSE, even
-        through optimization barriers on CPU). So under XLA the stub of a
-        float tensor also reads one of those gradients: a data dependency XLA
-        must respect. Integer tensors (shapes, indices) get none: they are
-        small, and XLA needs shapes as compile-time constants.
+        `level_gate` (see `gate`) exists once the level may start. XLA
+        (jit_compile) drops the control inputs that make copies wait for it,
+        then runs the copies early or merges them with their originals (CSE,
+        even through optimization barriers on CPU). So under XLA the stub of
+        a float tensor also reads the gate: a data dependency XLA must
+        respect. Integer tensors (shapes, indices) get none: they are small,
+        and XLA needs shapes as compile-time constants.
         """
         if not self.holds(tensor.name):
             return tensor
         if tensor.name not in stubs:
-            if self._xla and arrived and (tensor.dtype.is_floating or tensor.dtype.is_complex):
-                stub = wait_for_gradient(tensor, arrived[0])
+            if (self._xla and level_gate is not None
+                    and (tensor.dtype.is_floating or tensor.dtype.is_complex)):
+                stub = wait_for_gate(tensor, level_gate)
             else:
                 stub = tf.identity(tensor)
             compat.set_device(stub.op, tensor.op.device)
@@ -79,12 +97,13 @@ class Boundary:
         return stubs[tensor.name]
 
 
-def copy_level(graph: tf.Graph, level: Level, seeds: dict, stub) -> dict:
+def copy_level(graph: tf.Graph, level: Level, seeds: dict, level_gate, stub) -> dict:
     """Copies the level's ops; returns original tensor name -> copied tensor.
 
     `stub(tensor)` gives what a copy reads in place of a boundary tensor. Ops
     that read no other copy get control inputs on the gradients of the
-    checkpoints they serve, so the executor cannot run them early.
+    checkpoints they serve and on `level_gate` (None: none), so the executor
+    runs them neither early nor while the previous phase's tensors live.
     """
     copies = {}
     for op_name in level.copy_ops:
@@ -93,7 +112,8 @@ def copy_level(graph: tf.Graph, level: Level, seeds: dict, stub) -> dict:
             continue  # serves only checkpoints that receive no gradient
         op = graph.get_operation_by_name(op_name)
         inputs = [copies[i.name] if i.name in copies else stub(i) for i in op.inputs]
-        waits = [] if any(i.name in copies for i in op.inputs) else [g.op for g in owners]
+        waits = [] if any(i.name in copies for i in op.inputs) else (
+            [g.op for g in owners] + ([level_gate.op] if level_gate is not None else []))
         if waits and op.type in loops.LOOP_OP_TYPES:
             # Differentiating a loop appends data inputs to it, and a node's
             # control inputs must follow its data inputs: it waits through them.
