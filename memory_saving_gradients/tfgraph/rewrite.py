@@ -14,11 +14,12 @@ That keeps the rewrite near-linear in graph size.
 import tensorflow as tf
 from tensorflow.python.framework import ops as tf_ops
 from tensorflow.python.ops import control_flow_util
-from tensorflow.python.ops import control_flow_util_v2
 from tensorflow.python.ops import default_gradient
 from tensorflow.python.ops import gradients_impl
 
+from memory_saving_gradients.tfgraph import loop_chunks
 from memory_saving_gradients.tfgraph import loops
+from memory_saving_gradients.tfgraph import waiting
 
 # Captured at import so that patching tf.gradients never makes us call ourselves.
 _stock_gradients = gradients_impl.gradients
@@ -83,7 +84,7 @@ def backprop(model, plan, ys, xs, grad_ys, stop_gradients, tf_kwargs, unconnecte
             stubs = {}
             # Numeric ones only: a loop's TensorList gradient is a variant.
             arrived = [seeds[c] for c in level.checkpoints
-                       if c in seeds and _addable(_values(seeds[c]).dtype)]
+                       if c in seeds and waiting.addable(waiting.values(seeds[c]).dtype)]
             copies = _copy_segment(graph, level, seeds,
                                    lambda t: leaves.stub(t, stubs, arrived))
             roots = [c for c in level.checkpoints if c in copies and c in seeds]
@@ -149,8 +150,8 @@ class _Leaves:
         if not self.wanted(tensor.name):
             return tensor
         if tensor.name not in stubs:
-            if self._xla and arrived and _addable(tensor.dtype):
-                stub = _after(tensor, arrived[0])
+            if self._xla and arrived and waiting.addable(tensor.dtype):
+                stub = waiting.after(tensor, arrived[0])
             else:
                 stub = tf.identity(tensor)
             stub.op._set_device(tensor.op.device)  # pylint: disable=protected-access
@@ -178,55 +179,21 @@ def _copy_segment(graph, level, seeds, stub):
             with graph.control_dependencies(waits):
                 inputs = [tf.identity(i) for i in inputs]
             waits = []
-        with graph.control_dependencies(waits):
-            new = graph._create_op_internal(  # pylint: disable=protected-access
-                op.type, inputs, dtypes=[o.dtype for o in op.outputs],
-                name=op.name, attrs=dict(op.node_def.attr),
-                op_def=op.op_def, compute_device=False)
-        new._set_device(op.device)  # pylint: disable=protected-access
-        if new.type in loops.LOOP_OP_TYPES:
-            _give_own_loop_functions(new)
-        for old_t, new_t in zip(op.outputs, new.outputs):
+        if op.type in loops.LOOP_OP_TYPES:
+            # Rerun in chunks when its trip count is known (loop_chunks.py).
+            outputs = loop_chunks.copy_loop(op, inputs)
+        else:
+            with graph.control_dependencies(waits):
+                new = graph._create_op_internal(  # pylint: disable=protected-access
+                    op.type, inputs, dtypes=[o.dtype for o in op.outputs],
+                    name=op.name, attrs=dict(op.node_def.attr),
+                    op_def=op.op_def, compute_device=False)
+            new._set_device(op.device)  # pylint: disable=protected-access
+            outputs = new.outputs
+        for old_t, new_t in zip(op.outputs, outputs):
             new_t.set_shape(old_t.shape)
             copies[old_t.name] = new_t
     return copies
-
-
-def _give_own_loop_functions(loop):
-    """Gives a copied v2 while loop condition and body graphs of its own.
-
-    Differentiating a while loop makes its functions output per-iteration
-    accumulators, saved under the function's name + '_rewritten'. A copy
-    sharing the original's function names would clash with the original (or
-    another copy) being differentiated too, so it gets fresh names; while_v2
-    reads these graphs from the op (`_cond_graph`, `_body_graph`).
-    """
-    shapes = [tf.TensorShape(s) for s in loop.get_attr("output_shapes")]
-    for part in ("cond", "body"):
-        name = loop.get_attr(part).name
-        func_graph = control_flow_util_v2.get_func_graph(loop, shapes, name)
-        func_graph.name = f"{name}_recomputed_{tf_ops.uid()}"
-        setattr(loop, f"_{part}_graph", func_graph)
-
-
-def _addable(dtype):
-    return dtype.is_floating or dtype.is_integer or dtype.is_complex
-
-
-def _after(tensor, gradient):
-    """`tensor` plus a zero computed from one element of `gradient`.
-
-    The zero is `0 * (g != g)` cast: never NaN (unlike `0 * g` for an
-    infinite g), and XLA folds `x * 0` only for integers, so it stays.
-    """
-    with tf.name_scope("wait_for_gradient"):
-        element = tf.reshape(_values(gradient), [-1])[:1]
-        unordered = tf.reduce_any(tf.not_equal(element, element))
-        return tensor + tf.cast(unordered, tensor.dtype) * tf.zeros([], tensor.dtype)
-
-
-def _values(gradient):
-    return gradient.values if isinstance(gradient, tf.IndexedSlices) else gradient
 
 
 def _is_function_call(op):
