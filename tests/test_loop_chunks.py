@@ -133,3 +133,33 @@ def test_keras_recurrent_layers(chunk_size):
                                  modes=("memory",))
     assert_matches_stock(outcome)
     assert len(_chunk_loops(outcome.graph)) == 2 * len(layers)  # 3 + 3 + 1 steps each
+
+
+def test_long_loop_keeps_a_fraction_of_stock_memory():
+    """T = 400 steps of a [16, 256] state: tf.gradients keeps every step's
+    intermediates; chunks of 20 keep 20 states and one chunk's intermediates."""
+    steps, batch, units = 400, 16, 256
+    w = tf.Variable(_normal((units, units), 1.0 / np.sqrt(units), seed=5))
+    x = tf.constant(_normal((steps, batch, units), 0.1))
+
+    def loss(x):
+        _, h = tf.while_loop(
+            lambda t, h: t < steps,
+            lambda t, h: (t + 1, tf.tanh(tf.matmul(h, w) + x[t]) * tf.sigmoid(h)),
+            [tf.constant(0), tf.zeros([batch, units])], maximum_iterations=steps)
+        return tf.reduce_sum(tf.square(h))
+
+    @tf.function
+    def stock(x):
+        return stock_gradients(loss(x), [w])
+
+    @tf.function
+    def ours(x):
+        return msg.gradients(loss(x), [w], checkpoints="memory")
+
+    np.testing.assert_allclose(ours(x)[0], stock(x)[0], rtol=1e-4, atol=1e-6)
+    gradient_bytes = units * units * 4  # the output, not activation memory
+    stock_peak, _ = msg.function_peak_bytes(stock, x)
+    ours_peak, _ = msg.function_peak_bytes(ours, x)
+    ratio = (ours_peak - gradient_bytes) / (stock_peak - gradient_bytes)
+    assert ratio <= 0.3, (ours_peak, stock_peak)

@@ -22,9 +22,10 @@ A loop built without `maximum_iterations` (or with one not known when the
 gradient is built) has no such bound in its condition: it is rerun whole.
 """
 
+import contextlib
 import logging
 import math
-from typing import List, Optional, Sequence
+from typing import Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -32,6 +33,7 @@ from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.framework import ops as tf_ops
 from tensorflow.python.ops import control_flow_util_v2
 from tensorflow.python.ops import gradients_impl
+from tensorflow.python.ops import handle_data_util
 
 from memory_saving_gradients.tfgraph import static_values
 from memory_saving_gradients.tfgraph import waiting
@@ -40,6 +42,8 @@ logger = logging.getLogger("memory_saving_gradients")
 
 # Name of our registered gradient, set on chunk loops via `_gradient_op_type`.
 CHUNK_GRADIENT = "MemorySavingGradientsLoopChunk"
+# Set on a forward loop while our gradients are built (`chunked_gradients`).
+LOOP_GRADIENT = "MemorySavingGradientsChunkedLoop"
 _COUNTER, _BOUND = 0, 1  # while_v2's first two loop inputs
 _stock_gradients = gradients_impl.gradients
 
@@ -57,103 +61,116 @@ def default_chunk_size(bound: int) -> int:
     return max(1, math.ceil(math.sqrt(bound)))
 
 
-def why_not_chunked(loop: tf.Operation) -> Optional[str]:
-    """Why `loop` must be rerun whole, or None if it can be rerun in chunks."""
+def chunking(loop: tf.Operation) -> Tuple[Optional[int], str]:
+    """(chunk size, what is done and why) for rerunnable `loop`; a size of
+    None means the loop is rerun whole."""
     bound = trip_bound(loop)
     if bound is None:
-        return ("its trip count is not known when the gradient is built (no static "
-                "maximum_iterations); it is rerun whole")
-    if bound < 2:
-        return f"it runs at most {bound} iteration(s); nothing to split"
-    carried = [loop.inputs[i] for i in _carried_slots(loop)]
-    if any(t.dtype == tf.resource for t in carried):
-        return "it carries a resource handle from one iteration to the next"
-    return None
+        return None, ("rerun whole: its trip count is not known when the gradient is "
+                      "built (no static maximum_iterations)")
+    size = min(default_chunk_size(bound), bound)
+    if size >= bound:
+        return None, f"rerun whole: at most {bound} iteration(s), one chunk"
+    return size, f"rerun in chunks of {size} of its at most {bound} iterations"
 
 
-def copy_loop(loop: tf.Operation, inputs: Sequence[tf.Tensor],
-              chunk_size: Optional[int] = None) -> List[tf.Tensor]:
+def copy_loop(loop: tf.Operation, inputs: Sequence[tf.Tensor]) -> List[tf.Tensor]:
     """A copy of rerunnable `loop` reading `inputs`; returns its outputs.
 
-    Split into chunks of `chunk_size` iterations (default about sqrt(T)) when
-    `why_not_chunked` allows it, else one copy of the whole loop.
+    A chain of chunk loops when `chunking` gives a size, else one copy.
     """
-    reason = why_not_chunked(loop)
-    bound = trip_bound(loop)
-    size = min(chunk_size or default_chunk_size(bound or 1), bound or 1)
-    if reason is None and size >= bound:
-        reason = f"its chunk size {size} covers all {bound} iterations"
-    if reason is not None:
-        logger.info("loop %s: %s", loop.name, reason)
+    size, what = chunking(loop)
+    logger.info("loop %s: %s", loop.name, what)
+    if size is None:
         return list(_copy_while(loop, inputs).outputs)
-    logger.info("loop %s: rerun in chunks of %d of its at most %d iterations, "
-                "saving the carried state between chunks", loop.name, size, bound)
-    return _copy_in_chunks(loop, list(inputs), size, bound)
+    return _copy_in_chunks(loop, list(inputs), size)
 
 
-def _copy_in_chunks(loop, inputs, size, bound):
-    """Chains ceil(bound / size) chunk loops; returns outputs like `loop`'s."""
-    carried = set(_carried_slots(loop))
+def _copy_in_chunks(loop, inputs, size):
+    """Chains ceil(bound / size) chunk loops; returns outputs like `loop`'s.
+
+    Each chunk reads all of the previous chunk's outputs, captures (weights)
+    included: their gradients then add up along the chain, as within one
+    loop, instead of one partial weight gradient per chunk waiting to be summed.
+    """
     dtype = loop.inputs[_COUNTER].dtype
+    bound = trip_bound(loop)
     state = inputs
     counters = [inputs[_COUNTER]]
-    starts = range(0, bound, size)
-    for start in starts:
-        last = start + size >= bound
+    for start in range(0, bound, size):
         limits = [tf.constant(0, dtype), tf.constant(min(size, bound - start), dtype)]
-        # Unchanged inputs (captured weights, read-only TensorLists) are read
-        # from the loop's own inputs, so their gradients meet there.
-        chunk_inputs = limits + [state[i] if i in carried else inputs[i]
-                                 for i in range(2, len(inputs))]
-        chunk = _copy_while(loop, chunk_inputs, None if last else CHUNK_GRADIENT)
+        last = start + size >= bound
+        chunk = _copy_while(loop, limits + state[2:], None if last else CHUNK_GRADIENT)
+        for before, after in zip(state, chunk.outputs):
+            if before.dtype in (tf.resource, tf.variant):
+                handle_data_util.copy_handle_data(before, after)
         state = list(chunk.outputs)
         counters.append(state[_COUNTER])
     # What the original loop outputs: iterations run, its bound, its state.
     return [tf.add_n(counters), inputs[_BOUND]] + state[2:]
 
 
+@contextlib.contextmanager
+def chunked_gradients(loops: Iterable[tf.Operation]) -> Iterator[None]:
+    """Within, tf.gradients differentiates each of the rerunnable `loops` by
+    rerunning it in chunks, not by keeping every iteration.
+
+    For loops differentiated where they are (the tail after the last
+    checkpoint, kept checkpoints). The attribute that selects our gradient
+    is set on the forward op only while the context is open.
+    """
+    marked = []
+    for loop in loops:
+        size, what = chunking(loop)
+        logger.info("loop %s: %s", loop.name, what)
+        if size is not None and "_gradient_op_type" not in loop.node_def.attr:
+            loop._set_attr("_gradient_op_type",  # pylint: disable=protected-access
+                           attr_value_pb2.AttrValue(s=LOOP_GRADIENT.encode()))
+            marked.append(loop)
+    try:
+        yield
+    finally:
+        for loop in marked:
+            loop._clear_attr("_gradient_op_type")  # pylint: disable=protected-access
+
+
+@tf.RegisterGradient(LOOP_GRADIENT)
+def _loop_gradient(loop, *grads):
+    """Reruns the whole loop in chunks from its inputs and differentiates that."""
+    size, _ = chunking(loop)
+    return _differentiate_rerun(loop, grads, lambda inputs: _copy_in_chunks(loop, inputs, size))
+
+
 @tf.RegisterGradient(CHUNK_GRADIENT)
 def _chunk_gradient(chunk, *grads):
-    """Reruns `chunk` from its saved inputs, then differentiates the rerun.
+    """Reruns one chunk from its saved input state and differentiates that."""
+    return _differentiate_rerun(chunk, grads, lambda inputs: _copy_while(chunk, inputs).outputs)
 
-    The rerun waits for the incoming gradient through data (one carried
-    input plus a zero computed from it), since XLA drops control edges: run
-    early, every chunk's intermediates would be alive at once.
+
+def _differentiate_rerun(loop, grads, rerun):
+    """Gradients of `loop`'s inputs, from `rerun(inputs)` (its outputs again).
+
+    The rerun waits for the incoming gradient through data (one input plus a
+    zero computed from it), since XLA drops control edges: run early, every
+    chunk's intermediates would be alive at once.
     """
-    graph = chunk.graph
+    graph = loop.graph
     wanted = [i for i, g in enumerate(grads) if g is not None]
     arrived = [grads[i] for i in wanted if waiting.addable(waiting.values(grads[i]).dtype)]
     with graph.control_dependencies([g.op for g in map(waiting.values, arrived)]):
-        inputs = list(chunk.inputs[:2]) + [tf.identity(t) for t in chunk.inputs[2:]]
-    tied = _first_numeric(chunk, inputs)
+        inputs = list(loop.inputs[:2]) + [tf.identity(t) for t in loop.inputs[2:]]
+    tied = _first_float(inputs)
     if arrived and tied is not None:
         inputs[tied] = waiting.after(inputs[tied], arrived[0])
-    rerun = _copy_while(chunk, inputs)
-    partials = _stock_gradients([rerun.outputs[i] for i in wanted], inputs[2:],
+    outputs = rerun(inputs)
+    partials = _stock_gradients([outputs[i] for i in wanted], inputs[2:],
                                 [grads[i] for i in wanted])
     return [None, None] + list(partials)
 
 
-def _first_numeric(loop, inputs):
-    """Index of a numeric input to tie the rerun to: a carried one if any."""
-    order = _carried_slots(loop) + list(range(2, len(inputs)))
-    return next((i for i in order if waiting.addable(inputs[i].dtype)), None)
-
-
-def _carried_slots(loop):
-    """Input positions (past counter and bound) whose value changes per iteration.
-
-    The others are captures: the body returns its argument unchanged.
-    """
-    body = _function_graph(loop, "body")
-    slots = []
-    for i in range(2, len(body.inputs)):
-        out = body.outputs[i]
-        while out.op.type == "Identity":
-            out = out.op.inputs[0]
-        if out is not body.inputs[i]:
-            slots.append(i)
-    return slots
+def _first_float(inputs):
+    """Index of a floating input to tie the rerun to (XLA folds `int * 0`)."""
+    return next((i for i in range(2, len(inputs)) if inputs[i].dtype.is_floating), None)
 
 
 def _copy_while(loop, inputs, gradient=None):
@@ -184,16 +201,9 @@ def give_own_loop_functions(loop: tf.Operation) -> None:
     another copy) being differentiated too, so it gets fresh names; while_v2
     reads these graphs from the op (`_cond_graph`, `_body_graph`).
     """
-    for part in ("cond", "body"):
-        func_graph = _function_graph(loop, part)
-        func_graph.name = f"{loop.get_attr(part).name}_recomputed_{tf_ops.uid()}"
-        setattr(loop, f"_{part}_graph", func_graph)
-
-
-def _function_graph(loop, part):
-    """The loop's cond or body FuncGraph: the one set on the op, else rebuilt."""
-    existing = getattr(loop, f"_{part}_graph", None)
-    if existing is not None:
-        return existing
     shapes = [tf.TensorShape(s) for s in loop.get_attr("output_shapes")]
-    return control_flow_util_v2.get_func_graph(loop, shapes, loop.get_attr(part).name)
+    for part in ("cond", "body"):
+        name = loop.get_attr(part).name
+        func_graph = control_flow_util_v2.get_func_graph(loop, shapes, name)
+        func_graph.name = f"{name}_recomputed_{tf_ops.uid()}"
+        setattr(loop, f"_{part}_graph", func_graph)

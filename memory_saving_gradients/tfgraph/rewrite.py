@@ -28,6 +28,15 @@ _stock_gradients = gradients_impl.gradients
 def backprop(model, plan, ys, xs, grad_ys, stop_gradients, tf_kwargs, unconnected):
     """Gradients of `ys` with respect to `xs` under `plan`. Returns a list."""
     graph = ys[0].graph
+    # Rerunnable loops differentiated in place are rerun in chunks as well.
+    loops_here = loops.rerunnable_loops(
+        {graph.get_tensor_by_name(name).op for name in model.region})
+    with loop_chunks.chunked_gradients(loops_here):
+        return _backprop(model, plan, ys, xs, grad_ys, stop_gradients, tf_kwargs, unconnected)
+
+
+def _backprop(model, plan, ys, xs, grad_ys, stop_gradients, tf_kwargs, unconnected):
+    graph = ys[0].graph
     checkpoints = [graph.get_tensor_by_name(n) for n in plan.checkpoints]
     # Each source once: tf.gradients answers every entry of a repeated source
     # (an x given twice, or an x that is also a checkpoint), and every answer
