@@ -1,8 +1,11 @@
 """The public entry points: check the input, then run the pipeline.
 
-graph model -> selection -> plan -> rewrite. Everything here is about
-argument handling and reporting; the work happens in the rooms.
+graph model -> strategy -> plan -> rewrite. Everything here is about
+argument handling and reporting; the work happens in the rooms (core/,
+tfgraph/).
 """
+
+from __future__ import annotations
 
 import collections.abc
 import dataclasses
@@ -10,15 +13,17 @@ import logging
 
 import tensorflow as tf
 
-from memory_saving_gradients.tfgraph import reading
 from memory_saving_gradients.core import planning
-from memory_saving_gradients.tfgraph import rewrite
-from memory_saving_gradients.core import strategies
 from memory_saving_gradients.core import simulation
+from memory_saving_gradients.core import strategies
+from memory_saving_gradients.core.model import GraphModel
+from memory_saving_gradients.tfgraph import op_kinds
+from memory_saving_gradients.tfgraph import reading
+from memory_saving_gradients.tfgraph import rewrite
 
 logger = logging.getLogger("memory_saving_gradients")
 
-MODES = ("collection", "memory", "speed")
+MODES = strategies.MODES
 COLLECTION = "checkpoints"
 _TF_GRADIENTS_ARGS = frozenset({
     "name", "colocate_gradients_with_ops", "gate_gradients", "aggregation_method",
@@ -38,6 +43,7 @@ class CheckpointPlan:
       num_forward_ops: ops between xs and ys.
       estimate: simulated memory and recompute cost (simulation.Estimate).
       notes: fallbacks taken and inputs ignored.
+      plan, model: the core's plan and graph model, for inspection.
     """
     mode: str
     checkpoints: tuple
@@ -47,7 +53,8 @@ class CheckpointPlan:
     estimate: simulation.Estimate
     notes: tuple
     plan: planning.Plan = dataclasses.field(repr=False)
-    model: reading.GraphModel = dataclasses.field(repr=False)
+    model: GraphModel = dataclasses.field(repr=False)
+    reading: reading.Reading = dataclasses.field(repr=False)
 
     def __str__(self):
         est = self.estimate
@@ -100,7 +107,7 @@ def gradients(ys, xs, grad_ys=None, checkpoints="collection", **kwargs):
     report = _plan(ys, xs, checkpoints)
     logger.info("memory_saving_gradients: %s", str(report).replace("\n", "; "))
     with ys[0].graph.name_scope(name):
-        return rewrite.backprop(report.model, report.plan, ys, xs, grad_ys, stops, tf_kwargs,
+        return rewrite.backprop(report.reading, report.plan, ys, xs, grad_ys, stops, tf_kwargs,
                                 unconnected)
 
 
@@ -133,55 +140,62 @@ def checkpoint_plan(ys, xs, checkpoints="memory"):
     return _plan(ys, xs, checkpoints)
 
 
+def validate_checkpoints(checkpoints) -> str:
+    """The mode of a `checkpoints` argument; ValueError/TypeError if malformed."""
+    mode = strategies.validate(checkpoints)
+    if mode == "list":
+        _as_tensors(checkpoints, "checkpoints")
+    return mode
+
+
 def _plan(ys, xs, checkpoints):
-    model = reading.build_model(ys, xs)
-    mode, chosen = _select(model, ys, xs, checkpoints)
+    read = reading.build_model(ys, xs)
+    model = read.model
+    mode = strategies.validate(checkpoints)
+    chosen = strategies.select(model, mode, _explicit_names(read, ys, xs, mode, checkpoints))
     plan = planning.make_plan(model, chosen.names, mode, chosen.notes)
     graph = ys[0].graph
     kept = set(plan.chosen)
     return CheckpointPlan(
         mode=mode,
         checkpoints=tuple(graph.get_tensor_by_name(n) for n in plan.chosen),
-        pinned=tuple(graph.get_tensor_by_name(n) for n in plan.checkpoints
-                     if n not in kept),
+        pinned=tuple(graph.get_tensor_by_name(n) for n in plan.kept if n not in kept),
         num_recomputed_ops=plan.num_recomputed_ops,
         num_forward_ops=model.num_region_ops,
         estimate=simulation.estimate(model, plan),
         notes=plan.notes,
         plan=plan,
-        model=model)
+        model=model,
+        reading=read)
 
 
-def _select(model, ys, xs, checkpoints):
-    """Runs the selection strategy `checkpoints` names; returns (mode, Selection)."""
+def _explicit_names(read, ys, xs, mode, checkpoints):
+    """Names the 'collection' and 'list' modes keep, checked; () for other modes."""
     graph = ys[0].graph
-    if isinstance(checkpoints, str):
-        if checkpoints in strategies.STRATEGIES:
-            return checkpoints, strategies.STRATEGIES[checkpoints](model)
-        if checkpoints == "collection":
-            found = [t for t in graph.get_collection(COLLECTION)
-                     if isinstance(t, tf.Tensor) and t.graph is graph]
-            if not found:
-                logger.warning("memory_saving_gradients: the %r collection is empty; "
-                               "nothing is recomputed (same as tf.gradients). Add "
-                               "tensors with tf.compat.v1.add_to_collection(%r, t).",
-                               COLLECTION, COLLECTION)
-            # Tensors elsewhere in the graph may be meant for other gradients calls.
-            return "collection", strategies.explicit(model, [t.name for t in found])
-        raise ValueError(f"unknown checkpoints mode {checkpoints!r}: use one of "
-                         f"{', '.join(map(repr, MODES))} or a list of tensors")
+    if mode == "collection":
+        found = [t for t in graph.get_collection(COLLECTION)
+                 if isinstance(t, tf.Tensor) and t.graph is graph]
+        if not found:
+            logger.warning("memory_saving_gradients: the %r collection is empty; "
+                           "nothing is recomputed (same as tf.gradients). Add "
+                           "tensors with tf.compat.v1.add_to_collection(%r, t).",
+                           COLLECTION, COLLECTION)
+        # Tensors elsewhere in the graph may be meant for other gradients calls.
+        return [t.name for t in found]
+    if mode != "list":
+        return ()
     tensors = _as_tensors(checkpoints, "checkpoints")
     _check_same_graph(tensors, graph, "checkpoints")
     x_names = {x.name for x in xs}
     for t in tensors:
-        if reading.in_v1_control_flow(t.op, output=True):
+        if op_kinds.in_v1_control_flow(t.op, output=True):
             raise ValueError(f"checkpoint {t.name} is inside a tf.while_loop or tf.cond "
                              f"body; checkpoint the loop's or cond's outputs instead")
-        if t.name not in model.region and t.name not in x_names:
+        if t.name not in read.region and t.name not in x_names:
             raise ValueError(f"checkpoint {t.name} is not between xs and ys: it does not "
                              f"depend on any x or no y depends on it; pass tensors on "
                              f"the path from xs to ys")
-    return "list", strategies.explicit(model, [t.name for t in tensors])
+    return [t.name for t in tensors]
 
 
 def _normalise(ys, xs, grad_ys):

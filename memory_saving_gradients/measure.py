@@ -4,6 +4,8 @@ Used by the tests, the demo and the benchmarks, and by users who want to see
 what checkpointing saved on their own model.
 """
 
+from __future__ import annotations
+
 import os
 
 import tensorflow as tf
@@ -14,7 +16,7 @@ import tensorflow as tf
 _STATS_ENV = "TF_CPU_ALLOCATOR_USE_BFC"
 
 
-def enable_cpu_allocator_stats():
+def enable_cpu_allocator_stats() -> None:
     """Makes TensorFlow's CPU allocator keep the statistics `function_peak_bytes` reads.
 
     Sets TF_CPU_ALLOCATOR_USE_BFC=1 unless the environment sets it already.
@@ -24,7 +26,7 @@ def enable_cpu_allocator_stats():
     os.environ.setdefault(_STATS_ENV, "1")
 
 
-def session_peak_bytes(sess, fetches, feed_dict=None):
+def session_peak_bytes(sess, fetches, feed_dict=None) -> tuple:
     """Runs `fetches` once with full tracing; returns (peak bytes, results).
 
     The peak is replayed from the allocation records of the run's step stats
@@ -49,7 +51,7 @@ def session_peak_bytes(sess, fetches, feed_dict=None):
     return peak, results
 
 
-def function_peak_bytes(fn, *args, device="CPU:0", **kwargs):
+def function_peak_bytes(fn, *args, device: str = "CPU:0", **kwargs) -> tuple:
     """Calls `fn(*args, **kwargs)` once; returns (peak bytes above the start, result).
 
     Uses the allocator's own statistics (tf.config.experimental memory info),

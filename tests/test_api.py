@@ -216,3 +216,25 @@ def test_keras_variables_are_accepted_as_xs():
     assert len(ours) == len(weights) and all(g is not None for g in ours)
     for a, b in zip(stock, ours):
         np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_a_second_gradients_call_scans_only_the_ops_added_since(chain, monkeypatch):
+    """Whole-graph scans are kept per graph and told only of new ops."""
+    from memory_saving_gradients.tfgraph import reading
+    scanned = []
+    add_ops = reading.DataTensors.add_ops
+
+    def counting(self, ops):
+        scanned.append(len(ops))
+        return add_ops(self, ops)
+
+    monkeypatch.setattr(reading.DataTensors, "add_ops", counting)
+    x, hs, y = chain
+    graph = tf.compat.v1.get_default_graph()
+    first = msg.gradients(y, x, checkpoints="memory")
+    ops_after_first = len(graph.get_operations())
+    second = msg.gradients(y, x, checkpoints="memory")
+    assert scanned[0] < ops_after_first  # the first call scanned the forward graph
+    assert scanned[1:] == [ops_after_first - scanned[0]]  # then only what it added
+    feed = {x: np.linspace(-1, 1, 8).astype(np.float32)}
+    np.testing.assert_allclose(*_run([first[0], second[0]], feed))

@@ -12,10 +12,10 @@ import pytest
 import tensorflow as tf
 
 import memory_saving_gradients as msg
-from conftest import Model
-from conftest import assert_matches_stock
-from conftest import gradients_vs_stock
-from conftest import stock_gradients
+from harness import Model
+from harness import assert_matches_stock
+from harness import gradients_vs_stock
+from harness import stock_gradients
 from memory_saving_gradients.tfgraph import loop_chunks
 
 
@@ -140,13 +140,13 @@ def test_long_loop_keeps_a_fraction_of_stock_memory():
     intermediates; chunks of 20 keep 20 states and one chunk's intermediates."""
     steps, batch, units = 400, 16, 256
     w = tf.Variable(_normal((units, units), 1.0 / np.sqrt(units), seed=5))
-    x = tf.constant(_normal((steps, batch, units), 0.1))
+    x = tf.constant(_normal((batch, units), 0.5))
 
     def loss(x):
         _, h = tf.while_loop(
             lambda t, h: t < steps,
-            lambda t, h: (t + 1, tf.tanh(tf.matmul(h, w) + x[t]) * tf.sigmoid(h)),
-            [tf.constant(0), tf.zeros([batch, units])], maximum_iterations=steps)
+            lambda t, h: (t + 1, tf.tanh(tf.matmul(h, w)) * tf.sigmoid(h) + 0.5 * h),
+            [tf.constant(0), x], maximum_iterations=steps)
         return tf.reduce_sum(tf.square(h))
 
     @tf.function

@@ -15,10 +15,10 @@ from hypothesis import given
 from hypothesis import settings
 from hypothesis import strategies as st
 
-from conftest import RUNTIMES
-from conftest import Model
-from conftest import assert_matches_stock
-from conftest import gradients_vs_stock
+from harness import RUNTIMES
+from harness import Model
+from harness import assert_matches_stock
+from harness import gradients_vs_stock
 
 
 @tf.function(autograph=False)

@@ -1,14 +1,15 @@
-"""Selection, planning and simulation on hand-made models: no TensorFlow graphs."""
+"""Strategies, planning and simulation on hand-made models: no TensorFlow anywhere."""
 
 import logging
 
 import networkx as nx
 import pytest
 
-from memory_saving_gradients.tfgraph import reading
 from memory_saving_gradients.core import planning
-from memory_saving_gradients.core import strategies
 from memory_saving_gradients.core import simulation
+from memory_saving_gradients.core import strategies
+from memory_saving_gradients.core.model import Activation
+from memory_saving_gradients.core.model import GraphModel
 
 
 def make_model(edges, ys, op_types=None, pinned=(), unrecomputable=(), size=100):
@@ -16,14 +17,13 @@ def make_model(edges, ys, op_types=None, pinned=(), unrecomputable=(), size=100)
     graph = nx.DiGraph()
     graph.add_edges_from(edges)
     op_types = op_types or {}
-    for n in graph:
-        graph.nodes[n].update(op=n, op_type=op_types.get(n, "Tanh"), bytes=size,
-                              cost=size, recomputable=n not in unrecomputable, float=True)
+    tensors = {n: Activation(name=n, op=n, op_type=op_types.get(n, "Tanh"), bytes=size,
+                             cost=size, recomputable=n not in unrecomputable, is_float=True)
+               for n in graph}
     order = tuple(nx.lexicographical_topological_sort(graph))
-    return reading.GraphModel(
-        graph=graph, order=order, pinned=frozenset(pinned), ys=tuple(ys),
-        op_outputs={n: (n,) for n in graph}, other_bytes=0,
-        region=frozenset(graph), num_region_ops=len(graph))
+    return GraphModel(
+        graph=graph, tensors=tensors, order=order, pinned=frozenset(pinned), ys=tuple(ys),
+        op_outputs={n: (n,) for n in graph}, num_region_ops=len(graph))
 
 
 def chain_model(n):
@@ -106,7 +106,7 @@ def test_speed_keeps_expensive_outputs_and_bounds_residual_streams():
 def test_plan_levels_process_downstream_first_and_copy_segments():
     model, names = chain_model(7)
     plan = planning.make_plan(model, {names[2], names[4]}, "list")
-    assert plan.checkpoints == (names[2], names[4])
+    assert plan.kept == (names[2], names[4])
     assert [lvl.checkpoints for lvl in plan.levels] == [(names[2],), (names[4],)]
     assert plan.levels[1].copy_ops == (names[3], names[4])
     assert plan.levels[0].copy_ops == (names[0], names[1], names[2])
@@ -116,7 +116,7 @@ def test_unrecomputable_tensors_are_kept_and_reused():
     model = make_model([("a", "rand"), ("rand", "b"), ("b", "y")], ["y"],
                        pinned={"a", "rand"}, unrecomputable={"rand"})
     plan = planning.make_plan(model, set(), "list")
-    assert set(plan.checkpoints) == {"a", "rand"}
+    assert set(plan.kept) == {"a", "rand"}
     assert all("rand" not in lvl.copy_ops for lvl in plan.levels)
 
 

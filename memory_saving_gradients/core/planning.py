@@ -5,9 +5,14 @@ exactly, and the simulator prices the same `Plan`, so what is predicted is
 what is built.
 """
 
+from __future__ import annotations
+
 import dataclasses
+from typing import Iterable
 
 import toposort
+
+from memory_saving_gradients.core.model import GraphModel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,23 +36,23 @@ class Plan:
 
     Attributes:
       strategy: name of the selection that produced it.
-      checkpoints: every kept activation (chosen plus pinned), topological order.
+      kept: every kept activation (chosen plus pinned), topological order.
       chosen: the checkpoints the strategy chose (without pinned ones).
       levels: processed from last to first during backprop.
       notes: human-readable remarks (fallbacks taken, inputs ignored).
     """
     strategy: str
-    checkpoints: tuple
+    kept: tuple
     chosen: tuple
     levels: tuple
     notes: tuple = ()
 
     @property
-    def num_recomputed_ops(self):
+    def num_recomputed_ops(self) -> int:
         return sum(len(level.copy_ops) for level in self.levels)
 
 
-def expand_to_ops(model, names):
+def expand_to_ops(model: GraphModel, names: Iterable[str]) -> set:
     """All activation outputs of the ops producing `names`.
 
     Gradients stop per op, so keeping one output of a multi-output op and
@@ -56,7 +61,7 @@ def expand_to_ops(model, names):
     return {o for n in names for o in model.op_outputs[model.op_of(n)]}
 
 
-def segment(model, root, checkpoints):
+def segment(model: GraphModel, root: str, checkpoints) -> tuple[set, set]:
     """Tensors recomputed to rebuild `root` from the checkpoints above it.
 
     Returns (recomputed tensor names, checkpoints read). A root that cannot be
@@ -66,7 +71,7 @@ def segment(model, root, checkpoints):
     does not read its output (matmuls, convolutions). O(size of the segment).
     """
     graph = model.graph
-    if not graph.nodes[root]["recomputable"]:
+    if not model.tensors[root].recomputable:
         return set(), set(graph.predecessors(root))
     recomputed, needed = {root}, set()
     stack = [root]
@@ -80,7 +85,7 @@ def segment(model, root, checkpoints):
     return recomputed, needed
 
 
-def shared_tensors(model, checkpoints):
+def shared_tensors(model: GraphModel, checkpoints) -> set:
     """Dropped tensors that more than one checkpoint's segment would recompute.
 
     Keeping them bounds recomputation to once per op, which matters on
@@ -93,7 +98,7 @@ def shared_tensors(model, checkpoints):
     return {t for t, ops in owners.items() if len(ops) > 1}
 
 
-def make_plan(model, chosen, strategy, notes=()):
+def make_plan(model: GraphModel, chosen: Iterable[str], strategy: str, notes=()) -> Plan:
     """Builds the Plan that keeps `chosen` plus the model's pinned tensors.
 
     Each checkpoint's segment is the ops between it and the nearest checkpoints
@@ -121,6 +126,6 @@ def make_plan(model, chosen, strategy, notes=()):
             copy_ops=tuple(sorted(owners, key=op_rank.__getitem__)),
             owners={op: tuple(cs) for op, cs in owners.items()}))
     return Plan(strategy=strategy,
-                checkpoints=tuple(sorted(checkpoints, key=rank.__getitem__)),
+                kept=tuple(sorted(checkpoints, key=rank.__getitem__)),
                 chosen=tuple(sorted(expand_to_ops(model, chosen), key=rank.__getitem__)),
                 levels=tuple(levels), notes=tuple(notes))

@@ -7,7 +7,12 @@ level's recomputed segment is alive. It is an estimate for comparing plans,
 not an allocator: tests compare it with measured peaks only loosely.
 """
 
+from __future__ import annotations
+
 import dataclasses
+
+from memory_saving_gradients.core.model import GraphModel
+from memory_saving_gradients.core.planning import Plan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,31 +35,31 @@ class Estimate:
     forward_flops: int
 
     @property
-    def memory_ratio(self):
+    def memory_ratio(self) -> float:
         """Predicted peak as a fraction of tf.gradients' activation memory."""
         return self.peak_bytes / max(self.baseline_bytes, 1)
 
 
-def estimate(model, plan):
+def estimate(model: GraphModel, plan: Plan) -> Estimate:
     """Prices `plan` on `model`. O(size of the model)."""
-    nodes = model.graph.nodes
-    checkpoints = set(plan.checkpoints)
+    tensors = model.tensors
+    checkpoints = set(plan.kept)
     copied = set()
     largest = 0
     recompute = 0
     for level in plan.levels:
         outs = [o for op in level.copy_ops for o in model.op_outputs[op]]
-        largest = max(largest, model.tensor_bytes(o for o in outs if o not in checkpoints))
-        recompute += sum(nodes[model.op_outputs[op][0]]["cost"] for op in level.copy_ops)
+        largest = max(largest, model.bytes_of(o for o in outs if o not in checkpoints))
+        recompute += sum(tensors[model.op_outputs[op][0]].cost for op in level.copy_ops)
         copied.update(level.copy_ops)
-    tail = model.tensor_bytes(n for n in model.order
-                              if n not in checkpoints and nodes[n]["op"] not in copied)
-    kept = model.tensor_bytes(checkpoints)
-    forward = sum(nodes[outs[0]]["cost"] for outs in model.op_outputs.values())
+    tail = model.bytes_of(n for n in model.order
+                              if n not in checkpoints and tensors[n].op not in copied)
+    kept = model.bytes_of(checkpoints)
+    forward = sum(tensors[outs[0]].cost for outs in model.op_outputs.values())
     return Estimate(
         peak_bytes=kept + max(largest, tail),
         kept_bytes=kept,
         largest_segment_bytes=max(largest, tail),
-        baseline_bytes=model.tensor_bytes(model.order),
+        baseline_bytes=model.bytes_of(model.order),
         recompute_flops=recompute,
         forward_flops=forward)

@@ -11,6 +11,8 @@ nothing of TensorFlow, so a new strategy is one new function here:
   collection, read by the caller).
 """
 
+from __future__ import annotations
+
 import bisect
 import dataclasses
 import logging
@@ -19,6 +21,7 @@ import math
 import networkx as nx
 
 from memory_saving_gradients.core import planning
+from memory_saving_gradients.core.model import GraphModel
 from memory_saving_gradients.core import simulation
 
 logger = logging.getLogger(__name__)
@@ -37,12 +40,12 @@ class Selection:
     notes: tuple = ()
 
 
-def explicit(model, names):
+def explicit(model: GraphModel, names) -> Selection:
     """Keeps exactly `names` (activation tensor names of `model`)."""
     return Selection(frozenset(n for n in names if n in model.graph))
 
 
-def speed(model):
+def speed(model: GraphModel) -> Selection:
     """Keeps outputs of matmuls, convolutions and einsums; recomputes the rest once.
 
     Tensors that several segments would recompute (a residual stream between
@@ -51,9 +54,9 @@ def speed(model):
     whose output nothing reads is never run: its gradient needs only its
     inputs. O(n) per pass, at most a few passes.
     """
-    nodes = model.graph.nodes
+    tensors = model.tensors
     chosen = {n for n in model.order
-              if nodes[n]["op_type"] in EXPENSIVE_OP_TYPES and nodes[n]["float"]
+              if tensors[n].op_type in EXPENSIVE_OP_TYPES and tensors[n].is_float
               and n not in model.ys}
     streams = set(bottlenecks(model))
     for _ in range(4):
@@ -65,7 +68,7 @@ def speed(model):
     return Selection(frozenset(chosen))
 
 
-def memory(model):
+def memory(model: GraphModel) -> Selection:
     """Keeps ~sqrt(n) bottlenecks: the plan with the lowest simulated peak.
 
     Bottlenecks are tensors every path from the data to the ys passes
@@ -78,7 +81,7 @@ def memory(model):
     order = model.order
     if not order:
         return Selection(frozenset())
-    dominators = [n for n in bottlenecks(model) if model.graph.nodes[n]["float"]]
+    dominators = [n for n in bottlenecks(model) if model.tensors[n].is_float]
     plans = [(_price(model, chosen), chosen, "bottleneck")
              for chosen in _spaced_choices(model, dominators)]
     plans += [(_price(model, chosen), chosen, "separator")
@@ -95,10 +98,33 @@ def memory(model):
     return Selection(frozenset(chosen), notes)
 
 
-STRATEGIES = {"speed": speed, "memory": memory}
+_NAMED = {"memory": memory, "speed": speed}
+# Every `checkpoints` mode; 'collection' keeps the names the caller read from
+# the graph's collection, a list (mode 'list') the names given.
+MODES = ("collection", "memory", "speed")
 
 
-def bottlenecks(model):
+def validate(checkpoints) -> str:
+    """The mode of a `checkpoints` argument: a mode name, or 'list' for a sequence.
+
+    The one place an unknown mode is refused, for every way in.
+    """
+    if isinstance(checkpoints, str):
+        if checkpoints not in MODES:
+            raise ValueError(f"unknown checkpoints mode {checkpoints!r}: use one of "
+                             f"{', '.join(map(repr, MODES))} or a list of tensors")
+        return checkpoints
+    return "list"
+
+
+def select(model: GraphModel, mode: str, names=()) -> Selection:
+    """Runs the strategy of `mode`; 'collection' and 'list' keep exactly `names`."""
+    if mode in _NAMED:
+        return _NAMED[mode](model)
+    return explicit(model, names)
+
+
+def bottlenecks(model: GraphModel) -> list:
     """Activations on every path from the data inputs to the ys, in order.
 
     Computed as the dominators of a super-sink fed by the ys, from a
@@ -130,11 +156,10 @@ def _price(model, chosen):
 
 def _positions(model):
     """Cumulative activation bytes at each tensor of the topological order."""
-    nodes = model.graph.nodes
     total = 0
     positions = []
     for n in model.order:
-        total += max(nodes[n]["bytes"], 1)
+        total += max(model.tensors[n].bytes, 1)
         positions.append(total)
     return positions
 
@@ -175,7 +200,6 @@ def _spaced_choices(model, candidates):
 def _separator_choices(model):
     """For several counts k, the tensors alive across k cheap topological cuts."""
     order = model.order
-    nodes = model.graph.nodes
     rank = {n: i for i, n in enumerate(order)}
     end = len(order)
     last_use = [max((rank[s] for s in model.graph.successors(n)), default=end)
@@ -185,8 +209,8 @@ def _separator_choices(model):
     # live[p]: bytes of tensors produced at or before p and read after p.
     delta = [0] * (end + 1)
     for i, n in enumerate(order):
-        delta[i] += nodes[n]["bytes"]
-        delta[last_use[i]] -= nodes[n]["bytes"]
+        delta[i] += model.tensors[n].bytes
+        delta[last_use[i]] -= model.tensors[n].bytes
     live, running = [], 0
     for p in range(end):
         running += delta[p]

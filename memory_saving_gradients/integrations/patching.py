@@ -19,15 +19,13 @@ _TARGETS = ((tf, "gradients"), (tf.compat.v1, "gradients"))
 _saved = []  # stack of (checkpoints, the functions it replaced), for nesting
 
 
-def patch_tf_gradients(checkpoints="memory"):
+def patch_tf_gradients(checkpoints="memory") -> None:
     """Makes tf.gradients and tf.compat.v1.gradients checkpoint with `checkpoints`.
 
     `checkpoints` is any value `gradients` accepts ('memory', 'speed',
     'collection' or a list of tensors). Undo with `unpatch_tf_gradients()`.
     """
-    if isinstance(checkpoints, str) and checkpoints not in api.MODES:
-        raise ValueError(f"unknown checkpoints mode {checkpoints!r}: use one of "
-                         f"{', '.join(map(repr, api.MODES))} or a list of tensors")
+    api.validate_checkpoints(checkpoints)
     replacement = tf.autograph.experimental.do_not_convert(
         functools.partial(api.gradients, checkpoints=checkpoints))
     _saved.append((checkpoints, [getattr(module, name) for module, name in _TARGETS]))
@@ -35,7 +33,7 @@ def patch_tf_gradients(checkpoints="memory"):
         setattr(module, name, replacement)
 
 
-def unpatch_tf_gradients():
+def unpatch_tf_gradients() -> None:
     """Restores the functions the most recent `patch_tf_gradients` replaced."""
     if not _saved:
         raise RuntimeError("tf.gradients is not patched by memory_saving_gradients; "

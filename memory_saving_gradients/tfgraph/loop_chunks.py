@@ -29,14 +29,12 @@ from typing import Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.core.framework import attr_value_pb2
-from tensorflow.python.framework import ops as tf_ops
-from tensorflow.python.ops import control_flow_util_v2
-from tensorflow.python.ops import gradients_impl
-from tensorflow.python.ops import handle_data_util
 
+from memory_saving_gradients.tfgraph import compat
 from memory_saving_gradients.tfgraph import static_values
-from memory_saving_gradients.tfgraph import waiting
+from memory_saving_gradients.tfgraph.gradient_waits import gradient_values
+from memory_saving_gradients.tfgraph.gradient_waits import is_numeric
+from memory_saving_gradients.tfgraph.gradient_waits import wait_for_gradient
 
 logger = logging.getLogger("memory_saving_gradients")
 
@@ -45,7 +43,6 @@ CHUNK_GRADIENT = "MemorySavingGradientsLoopChunk"
 # Set on a forward loop while our gradients are built (`chunked_gradients`).
 LOOP_GRADIENT = "MemorySavingGradientsChunkedLoop"
 _COUNTER, _BOUND = 0, 1  # while_v2's first two loop inputs
-_stock_gradients = gradients_impl.gradients
 
 
 def trip_bound(loop: tf.Operation) -> Optional[int]:
@@ -103,7 +100,7 @@ def _copy_in_chunks(loop, inputs, size):
         chunk = _copy_while(loop, limits + state[2:], None if last else CHUNK_GRADIENT)
         for before, after in zip(state, chunk.outputs):
             if before.dtype in (tf.resource, tf.variant):
-                handle_data_util.copy_handle_data(before, after)
+                compat.copy_handle_data(before, after)
         state = list(chunk.outputs)
         counters.append(state[_COUNTER])
     # What the original loop outputs: iterations run, its bound, its state.
@@ -124,14 +121,13 @@ def chunked_gradients(loops: Iterable[tf.Operation]) -> Iterator[None]:
         size, what = chunking(loop)
         logger.info("loop %s: %s", loop.name, what)
         if size is not None and "_gradient_op_type" not in loop.node_def.attr:
-            loop._set_attr("_gradient_op_type",  # pylint: disable=protected-access
-                           attr_value_pb2.AttrValue(s=LOOP_GRADIENT.encode()))
+            compat.set_gradient_override(loop, LOOP_GRADIENT)
             marked.append(loop)
     try:
         yield
     finally:
         for loop in marked:
-            loop._clear_attr("_gradient_op_type")  # pylint: disable=protected-access
+            compat.set_gradient_override(loop, None)
 
 
 @tf.RegisterGradient(LOOP_GRADIENT)
@@ -156,14 +152,14 @@ def _differentiate_rerun(loop, grads, rerun):
     """
     graph = loop.graph
     wanted = [i for i, g in enumerate(grads) if g is not None]
-    arrived = [grads[i] for i in wanted if waiting.addable(waiting.values(grads[i]).dtype)]
-    with graph.control_dependencies([g.op for g in map(waiting.values, arrived)]):
+    arrived = [grads[i] for i in wanted if is_numeric(gradient_values(grads[i]).dtype)]
+    with graph.control_dependencies([gradient_values(g).op for g in arrived]):
         inputs = list(loop.inputs[:2]) + [tf.identity(t) for t in loop.inputs[2:]]
     tied = _first_float(inputs)
     if arrived and tied is not None:
-        inputs[tied] = waiting.after(inputs[tied], arrived[0])
+        inputs[tied] = wait_for_gradient(inputs[tied], arrived[0])
     outputs = rerun(inputs)
-    partials = _stock_gradients([outputs[i] for i in wanted], inputs[2:],
+    partials = compat.stock_gradients([outputs[i] for i in wanted], inputs[2:],
                                 [grads[i] for i in wanted])
     return [None, None] + list(partials)
 
@@ -174,18 +170,14 @@ def _first_float(inputs):
 
 
 def _copy_while(loop, inputs, gradient=None):
-    """A While op like `loop` reading `inputs`, with functions of its own."""
-    graph = loop.graph
-    attrs = {k: v for k, v in loop.node_def.attr.items() if k != "_gradient_op_type"}
-    if gradient is not None:
-        attrs["_gradient_op_type"] = attr_value_pb2.AttrValue(s=gradient.encode())
+    """A While op like `loop` reading `inputs`, with functions of its own and
+    the gradient registered as `gradient` (None: the stock one)."""
     # Differentiating a loop appends data inputs to it, and a node's control
     # inputs must follow its data inputs: the loop itself waits through its inputs.
-    with graph.control_dependencies(None):
-        new = graph._create_op_internal(  # pylint: disable=protected-access
-            loop.type, list(inputs), dtypes=[o.dtype for o in loop.outputs],
-            name=loop.name, attrs=attrs, op_def=loop.op_def, compute_device=False)
-    new._set_device(loop.device)  # pylint: disable=protected-access
+    with loop.graph.control_dependencies(None):
+        new = compat.create_op_copy(loop.graph, loop, list(inputs))
+    compat.set_device(new, loop.device)
+    compat.set_gradient_override(new, gradient)
     give_own_loop_functions(new)
     for old_t, new_t in zip(loop.outputs, new.outputs):
         new_t.set_shape(old_t.shape)
@@ -201,9 +193,8 @@ def give_own_loop_functions(loop: tf.Operation) -> None:
     another copy) being differentiated too, so it gets fresh names; while_v2
     reads these graphs from the op (`_cond_graph`, `_body_graph`).
     """
-    shapes = [tf.TensorShape(s) for s in loop.get_attr("output_shapes")]
     for part in ("cond", "body"):
         name = loop.get_attr(part).name
-        func_graph = control_flow_util_v2.get_func_graph(loop, shapes, name)
-        func_graph.name = f"{name}_recomputed_{tf_ops.uid()}"
+        func_graph = compat.while_function_graph(loop, name)
+        func_graph.name = f"{name}_recomputed_{compat.unique_id()}"
         setattr(loop, f"_{part}_graph", func_graph)

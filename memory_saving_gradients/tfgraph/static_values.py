@@ -9,7 +9,8 @@ from typing import Optional
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.framework import op_def_registry
+
+from memory_saving_gradients.tfgraph import compat
 
 # Enough for the few ops a loop bound is computed with; larger subgraphs are
 # not worth evaluating at graph-build time.
@@ -30,9 +31,7 @@ def static_value(tensor: tf.Tensor) -> Optional[np.ndarray]:
         for op in order:
             inputs = [made[t.name] if t.name in made else tf.constant(tf.get_static_value(t))
                       for t in op.inputs]
-            new = scratch._create_op_internal(  # pylint: disable=protected-access
-                op.type, inputs, dtypes=[o.dtype for o in op.outputs],
-                attrs=dict(op.node_def.attr), op_def=op.op_def)
+            new = compat.create_op_copy(scratch, op, inputs)
             made.update((old.name, out) for old, out in zip(op.outputs, new.outputs))
     with tf.compat.v1.Session(graph=scratch) as session:
         return session.run(made[tensor.name])
@@ -50,7 +49,7 @@ def _foldable_ancestors(tensor):
         if op in seen:
             continue
         seen.add(op)
-        op_def = op_def_registry.get(op.type)
+        op_def = compat.op_def(op.type)
         if (op_def is None or op_def.is_stateful or op.type == "Placeholder"
                 or len(seen) > _MAX_OPS
                 or any(v.func.name for v in op.node_def.attr.values())):

@@ -1,0 +1,77 @@
+"""The graph model: the forward region between xs and ys, as plain typed data.
+
+Everything in core/ reads this and nothing else, so strategies, planning and
+simulation can be tested without TensorFlow (tfgraph/reading.py builds it).
+
+Vocabulary used across the package:
+
+* activation: a region tensor that carries per-example data. Only
+  activations are checkpointed or recomputed; tensors that depend only on the
+  xs (variable reads, casts of weights) are parameter-sized and always kept.
+* recomputable: an op that may be copied and rerun with the same result.
+* pinned: activations that must be kept (outputs and activation inputs of
+  ops that cannot be recomputed, and xs inside the region).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable, Mapping
+
+import networkx as nx
+
+
+@dataclasses.dataclass(frozen=True)
+class Activation:
+    """One activation tensor and what the planner needs to know of it.
+
+    Attributes:
+      name: the tensor's name, e.g. 'dense/Relu:0'.
+      op: name of the op producing it.
+      op_type: that op's type, e.g. 'Relu'.
+      bytes: size from the static shape (unknown dims counted as 1).
+      cost: rough FLOPs of the producing op.
+      recomputable: whether that op may be copied and rerun.
+      is_float: whether the tensor is floating point (integer and shape
+        tensors are never worth a checkpoint of their own).
+    """
+    name: str
+    op: str
+    op_type: str
+    bytes: int
+    cost: int
+    recomputable: bool
+    is_float: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphModel:
+    """The activations between xs and ys and how they depend on each other.
+
+    Attributes:
+      graph: DiGraph over activation names; an edge a -> b means b's op reads a.
+      tensors: activation name -> Activation.
+      order: activation names in a topological order.
+      pinned: activations that must be kept, whole ops at a time.
+      ys: names of the ys that are activations.
+      op_outputs: op name -> its activation output names (the unit a
+        checkpoint is expanded to, so no output of a copied op is forgotten).
+      other_bytes: bytes of region tensors that are not activations (weights).
+      num_region_ops: how many ops lie between xs and ys.
+    """
+    graph: nx.DiGraph
+    tensors: Mapping[str, Activation]
+    order: tuple[str, ...]
+    pinned: frozenset[str]
+    ys: tuple[str, ...]
+    op_outputs: Mapping[str, tuple[str, ...]]
+    other_bytes: int = 0
+    num_region_ops: int = 0
+
+    def op_of(self, name: str) -> str:
+        """The op producing activation `name`."""
+        return self.tensors[name].op
+
+    def bytes_of(self, names: Iterable[str]) -> int:
+        """Total bytes of the activations `names`."""
+        return sum(self.tensors[n].bytes for n in names)

@@ -1,0 +1,112 @@
+"""Every use of TensorFlow's private modules and attributes, in one place.
+
+A TensorFlow upgrade that moves one of these touches this file only. Each
+function is a thin, named accessor; logic lives in the modules that call them.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+from tensorflow.core.framework import attr_value_pb2
+from tensorflow.python.framework import op_def_registry
+from tensorflow.python.framework import ops as tf_ops
+from tensorflow.python.ops import control_flow_util
+from tensorflow.python.ops import control_flow_util_v2
+from tensorflow.python.ops import default_gradient
+from tensorflow.python.ops import gradients_impl
+from tensorflow.python.ops import handle_data_util
+
+# Captured at import so that patching tf.gradients never makes us call ourselves.
+stock_gradients = gradients_impl.gradients
+zeros_like_gradient = default_gradient.zeros_like
+unique_id = tf_ops.uid
+
+
+def op_def(op_type: str):
+    """The registered OpDef of `op_type`, or None for a graph function's name."""
+    return op_def_registry.get(op_type)
+
+
+def gradient_function(op: tf.Operation):
+    """The registered gradient function of `op` (None if not differentiable)."""
+    return tf_ops.get_gradient_function(op)
+
+
+def creation_id(op: tf.Operation) -> int:
+    """A number that grows with op creation within a graph."""
+    return op._id  # pylint: disable=protected-access
+
+
+def forward_op_of_gradient(op: tf.Operation):
+    """The forward op a gradient op was made for (tf.gradients records it)."""
+    return op._original_op  # pylint: disable=protected-access
+
+
+def control_outputs(op: tf.Operation) -> list:
+    """Ops that have `op` as a control input."""
+    return op._control_outputs  # pylint: disable=protected-access
+
+
+def set_device(op: tf.Operation, device: str) -> None:
+    """Places an op created with compute_device=False."""
+    op._set_device(device)  # pylint: disable=protected-access
+
+
+def is_ref_dtype(dtype: tf.DType) -> bool:
+    return dtype._is_ref_dtype  # pylint: disable=protected-access
+
+
+def is_function_op(op: tf.Operation) -> bool:
+    """True if `op` calls a graph function by its own op type."""
+    return op.graph._is_function(op.type)  # pylint: disable=protected-access
+
+
+def graph_function(graph: tf.Graph, name: str):
+    """The graph function `name` registered in `graph` itself, or None."""
+    return graph._get_function(name)  # pylint: disable=protected-access
+
+
+def control_flow_context(op: tf.Operation, output: bool = False):
+    """The tf.compat.v1 control-flow context of `op` (with `output`: of its outputs)."""
+    if output:
+        return control_flow_util.GetOutputContext(op)
+    return op._get_control_flow_context()  # pylint: disable=protected-access
+
+
+def in_xla_context(graph: tf.Graph) -> bool:
+    """True if `graph` or an enclosing graph is compiled by XLA (jit_compile)."""
+    return control_flow_util.GraphOrParentsInXlaContext(graph)
+
+
+def while_function_graph(loop: tf.Operation, name: str):
+    """The FuncGraph of a v2 While op's cond or body function `name`."""
+    shapes = [tf.TensorShape(s) for s in loop.get_attr("output_shapes")]
+    return control_flow_util_v2.get_func_graph(loop, shapes, name)
+
+
+def create_op_copy(graph: tf.Graph, op: tf.Operation, inputs: list) -> tf.Operation:
+    """A new op of `op`'s type and attributes reading `inputs`, not yet placed."""
+    return graph._create_op_internal(  # pylint: disable=protected-access
+        op.type, inputs, dtypes=[o.dtype for o in op.outputs], name=op.name,
+        attrs=dict(op.node_def.attr), op_def=op.op_def, compute_device=False)
+
+
+def orders_stateful_ops(graph: tf.Graph) -> bool:
+    """True for a tf.function graph, which orders stateful ops in program order."""
+    return getattr(graph, "_add_control_dependencies", False)
+
+
+def set_gradient_override(op: tf.Operation, gradient_name) -> None:
+    """Makes tf.gradients use the gradient registered as `gradient_name` for
+    `op` (None: its op type's own gradient again)."""
+    if gradient_name is None:
+        if "_gradient_op_type" in op.node_def.attr:
+            op._clear_attr("_gradient_op_type")  # pylint: disable=protected-access
+    else:
+        op._set_attr("_gradient_op_type",  # pylint: disable=protected-access
+                     attr_value_pb2.AttrValue(s=gradient_name.encode()))
+
+
+def copy_handle_data(source: tf.Tensor, target: tf.Tensor) -> None:
+    """Gives `target` the resource/TensorList handle data (dtype, shape) of `source`."""
+    handle_data_util.copy_handle_data(source, target)

@@ -1,0 +1,95 @@
+"""Copying a level's segment so that it runs late, when backprop reaches it.
+
+Copies read per-level identity stubs of the tensors on the segment's
+boundary (checkpoints, weights, xs), so each level's tf.gradients call walks
+only its own segment; ops that read no other copy wait for the gradient that
+reaches the level, so the executor cannot run them during the forward pass.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from memory_saving_gradients.core.planning import Level
+from memory_saving_gradients.tfgraph import compat
+from memory_saving_gradients.tfgraph import loop_chunks
+from memory_saving_gradients.tfgraph import loops
+# Re-exported: the rewrite and loop_chunks both make recomputation wait.
+from memory_saving_gradients.tfgraph.gradient_waits import gradient_values  # noqa: F401
+from memory_saving_gradients.tfgraph.gradient_waits import is_numeric
+from memory_saving_gradients.tfgraph.gradient_waits import wait_for_gradient
+from memory_saving_gradients.tfgraph.reading import Reading
+
+
+class Boundary:
+    """The tensors recomputation reads and must send gradients to.
+
+    Those are checkpoints, weights (region tensors that are not activations)
+    and xs. Copies read stubs of them, made per level: a stub's only
+    consumers are that level's copies, so tf.gradients started from stubs
+    walks one segment, not the whole graph.
+    """
+
+    def __init__(self, reading: Reading, kept, xs, graph: tf.Graph):
+        self._reading = reading
+        self._kept = frozenset(kept)
+        self._x_names = frozenset(x.name for x in xs)
+        self._xla = compat.in_xla_context(graph)
+
+    def holds(self, name: str) -> bool:
+        return name in self._kept or name in self._x_names or self._reading.is_weight(name)
+
+    def stub(self, tensor: tf.Tensor, stubs: dict, arrived: list) -> tf.Tensor:
+        """The level's stub for `tensor` (made on first use), or `tensor` itself.
+
+        `arrived` are the numeric gradients reaching the level. XLA (jit_compile)
+        drops the control inputs that make copies wait for them, then runs
+        the copies early or merges them with their originals (CSE, even
+        through optimization barriers on CPU). So under XLA the stub also
+        reads one of those gradients: a data dependency XLA must respect.
+        """
+        if not self.holds(tensor.name):
+            return tensor
+        if tensor.name not in stubs:
+            if self._xla and arrived and is_numeric(tensor.dtype):
+                stub = wait_for_gradient(tensor, arrived[0])
+            else:
+                stub = tf.identity(tensor)
+            compat.set_device(stub.op, tensor.op.device)
+            stubs[tensor.name] = stub
+        return stubs[tensor.name]
+
+
+def copy_level(graph: tf.Graph, level: Level, seeds: dict, stub) -> dict:
+    """Copies the level's ops; returns original tensor name -> copied tensor.
+
+    `stub(tensor)` gives what a copy reads in place of a boundary tensor. Ops
+    that read no other copy get control inputs on the gradients of the
+    checkpoints they serve, so the executor cannot run them early.
+    """
+    copies = {}
+    for op_name in level.copy_ops:
+        owners = [seeds[c] for c in level.owners[op_name] if c in seeds]
+        if not owners:
+            continue  # serves only checkpoints that receive no gradient
+        op = graph.get_operation_by_name(op_name)
+        inputs = [copies[i.name] if i.name in copies else stub(i) for i in op.inputs]
+        waits = [] if any(i.name in copies for i in op.inputs) else [g.op for g in owners]
+        if waits and op.type in loops.LOOP_OP_TYPES:
+            # Differentiating a loop appends data inputs to it, and a node's
+            # control inputs must follow its data inputs: it waits through them.
+            with graph.control_dependencies(waits):
+                inputs = [tf.identity(i) for i in inputs]
+            waits = []
+        if op.type in loops.LOOP_OP_TYPES:
+            outputs = loop_chunks.copy_loop(op, inputs)  # in chunks if it can
+        else:
+            with graph.control_dependencies(waits):
+                new = compat.create_op_copy(graph, op, inputs)
+            compat.set_device(new, op.device)
+            outputs = new.outputs
+        for old_t, new_t in zip(op.outputs, outputs):
+            new_t.set_shape(old_t.shape)
+            copies[old_t.name] = new_t
+    return copies
+

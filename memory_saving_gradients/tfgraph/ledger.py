@@ -1,0 +1,77 @@
+"""The ledger of partial gradients that backprop collects level by level.
+
+Each tensor's gradient arrives in parts, one per `tf.gradients` call that
+reaches it. A part is either still to be sent through the tensor's op, or
+was sent through it already (tf.gradients differentiates function calls even
+at stop_gradients): sent parts count in the tensor's full gradient but must
+never be sent again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import tensorflow as tf
+
+Gradient = "tf.Tensor | tf.IndexedSlices"
+
+
+@dataclasses.dataclass(frozen=True)
+class Settled:
+    """A tensor's gradient once every part has arrived.
+
+    Attributes:
+      total: the full gradient (every part), None if nothing arrived.
+      unsent: the parts still to send through the tensor's op, summed; None
+        if every part was sent already.
+    """
+    total: Optional[Gradient]
+    unsent: Optional[Gradient]
+
+
+def add_up(parts: list) -> Optional[Gradient]:
+    """Sums partial gradients; IndexedSlices stay sparse when all parts are.
+
+    tf.gradients takes IndexedSlices as grad_ys, so sparse gradients (from
+    gathers, embeddings) reach the xs sparse, as with tf.gradients.
+    """
+    if not parts:
+        return None
+    if len(parts) == 1:
+        return parts[0]
+    if all(isinstance(p, tf.IndexedSlices) for p in parts):
+        index_dtype = tf.int64 if any(p.indices.dtype == tf.int64 for p in parts) else tf.int32
+        return tf.IndexedSlices(
+            tf.concat([p.values for p in parts], axis=0),
+            tf.concat([tf.cast(p.indices, index_dtype) for p in parts], axis=0),
+            parts[0].dense_shape)
+    return tf.add_n([tf.convert_to_tensor(p) for p in parts])
+
+
+class GradientLedger:
+    """Partial gradients per tensor name: add them, then settle or take them."""
+
+    def __init__(self):
+        self._unsent = {}  # name -> parts still to send through its op
+        self._sent = {}  # name -> parts already sent through its op
+
+    def add(self, name: str, gradient: Gradient, sent: bool = False) -> None:
+        (self._sent if sent else self._unsent).setdefault(name, []).append(gradient)
+
+    def settle(self, name: str) -> Settled:
+        """Removes `name`'s parts; returns its full gradient and its unsent part."""
+        unsent, sent = self._unsent.pop(name, []), self._sent.pop(name, [])
+        total = add_up(unsent + sent)
+        return Settled(total=total, unsent=add_up(unsent) if sent else total)
+
+    def take_unsent(self, name: str) -> Optional[Gradient]:
+        """Removes and sums the parts of `name` still to send."""
+        return add_up(self._unsent.pop(name, []))
+
+    def unsent_names(self) -> list:
+        return list(self._unsent)
+
+    def total(self, name: str) -> Optional[Gradient]:
+        """The sum of every part of `name` so far, leaving them in place."""
+        return add_up(self._unsent.get(name, []) + self._sent.get(name, []))

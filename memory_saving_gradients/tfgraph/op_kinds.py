@@ -1,0 +1,100 @@
+"""What kind of op an op is: recomputable or not, control flow, its size and cost.
+
+Facts about single ops; reading.py applies them to a region.
+"""
+
+from __future__ import annotations
+
+import math
+
+import tensorflow as tf
+
+from memory_saving_gradients.tfgraph import compat
+from memory_saving_gradients.tfgraph import loops
+
+# Ops whose copies would not behave like the original (or could not be
+# differentiated when copied): their outputs are kept instead of recomputed.
+CONTROL_FLOW_OP_TYPES = frozenset({
+    "Switch", "RefSwitch", "Merge", "RefMerge", "Enter", "RefEnter", "Exit",
+    "RefExit", "NextIteration", "RefNextIteration", "LoopCond", "ControlTrigger",
+    "If", "StatelessIf", "While", "StatelessWhile", "Case", "StatelessCase",
+    "PartitionedCall", "StatefulPartitionedCall", "SymbolicGradient",
+})
+
+# Ops that feed per-example data into a graph.
+DATA_SOURCE_OP_TYPES = frozenset({
+    "Placeholder", "PlaceholderV2", "PlaceholderWithDefault", "IteratorGetNext",
+    "IteratorGetNextSync", "IteratorGetNextAsOptional", "OptionalGetValue",
+})
+
+OPAQUE_DTYPES = (tf.resource, tf.variant, tf.string)
+
+_CONTRACTION_OP_TYPES = ("MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3")
+
+
+def is_recomputable(op: tf.Operation, rerunnable_loops=frozenset()) -> bool:
+    """True if rerunning a copy of `op` gives the same values and gradients.
+
+    v2 while loops are recomputable only if in `rerunnable_loops` (see loops.py).
+    """
+    if in_v1_control_flow(op):
+        return False  # inside a tf.compat.v1 while/cond body
+    if op.type in loops.LOOP_OP_TYPES:
+        return op in rerunnable_loops
+    if op.type in CONTROL_FLOW_OP_TYPES or op.op_def.is_stateful:
+        return False
+    if compat.is_function_op(op):
+        return False  # call of a graph function by its own op type
+    tensors = list(op.inputs) + list(op.outputs)
+    return not any(compat.is_ref_dtype(t.dtype) or t.dtype.base_dtype in OPAQUE_DTYPES
+                   for t in tensors)
+
+
+def in_v1_control_flow(op: tf.Operation, output: bool = False) -> bool:
+    """True if `op` (with `output`: its outputs) is in a tf.compat.v1 while/cond body.
+
+    Ops under jit_compile sit in an XLA context, which is not a body; an
+    Exit op sits in its loop's context, but its outputs live after the loop.
+    """
+    context = compat.control_flow_context(op, output)
+    while context is not None:
+        if context.IsWhileContext() or context.IsCondContext():
+            return True
+        context = context.outer_context
+    return False
+
+
+def outermost_while_loop(op: tf.Operation):
+    """The outermost tf.compat.v1 while loop (WhileContext) `op` is in, or None."""
+    loop = None
+    context = compat.control_flow_context(op)
+    while context is not None:
+        if context.IsWhileContext():
+            loop = context
+        context = context.outer_context
+    return loop
+
+
+def tensor_bytes(t: tf.Tensor) -> int:
+    """Bytes of `t` from its static shape; unknown dims count as 1."""
+    dims = t.shape.as_list() if t.shape.rank is not None else []
+    elements = math.prod(d if d is not None else 1 for d in dims)
+    size = t.dtype.size if t.dtype.base_dtype not in OPAQUE_DTYPES else 8
+    return int(elements * size)
+
+
+def op_cost(op: tf.Operation) -> int:
+    """Rough FLOPs of `op`: exact-ish for contractions, output size otherwise."""
+    out_elems = sum(tensor_bytes(o) // max(o.dtype.size, 1) for o in op.outputs
+                    if o.dtype.base_dtype not in OPAQUE_DTYPES)
+    if op.type in _CONTRACTION_OP_TYPES:
+        shape = op.inputs[0].shape
+        inner_axis = -2 if op.get_attr("adj_x" if "adj_x" in op.node_def.attr
+                                       else "transpose_a") else -1
+        inner = shape[inner_axis] if shape.rank else None
+        return 2 * out_elems * (inner or 1)
+    if op.type.startswith(("Conv", "DepthwiseConv")) and len(op.inputs) > 1:
+        kernel = op.inputs[1].shape
+        if kernel.rank and kernel.is_fully_defined():
+            return 2 * out_elems * math.prod(kernel.as_list()[:-1])
+    return out_elems

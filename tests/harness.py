@@ -1,0 +1,301 @@
+"""The stock-versus-ours harness: build a model once, get tf.gradients and ours side by side.
+
+`gradients_vs_stock(runtime, build, inputs)` builds the model with `build` in a
+tf.compat.v1 Graph run by a Session (runtime 'session') or inside a
+tf.function (runtime 'function', or 'xla' with jit_compile), computes stock
+`tf.gradients` and `memory_saving_gradients.gradients` for every mode in that
+same graph, and evaluates all of them in ONE run (one `session.run`, one
+function call), so stateful ops such as dropout masks are shared between
+stock and ours. `assert_matches_stock` then compares them.
+"""
+
+import contextlib
+import dataclasses
+import re
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.framework.indexed_slices import IndexedSlicesValue
+
+import memory_saving_gradients as msg
+
+# The unpatched tf.gradients, whatever other tests do to tf.gradients.
+from memory_saving_gradients.tfgraph.compat import stock_gradients  # noqa: E402,F401
+
+RUNTIMES = ("session", "function", "xla")
+MODES = ("memory", "speed")
+
+
+@dataclasses.dataclass
+class Model:
+    """What a model-building function returns.
+
+    Attributes:
+      ys, xs, grad_ys: as for tf.gradients.
+      lists: name -> list of tensors, each an explicit checkpoint list to try
+        (reported as mode 'list:<name>').
+      kwargs: extra tf.gradients keyword arguments, given to stock and ours.
+      fetch: name -> tensor, forward values to evaluate as well.
+    """
+    ys: list
+    xs: list
+    grad_ys: list = None
+    lists: dict = dataclasses.field(default_factory=dict)
+    kwargs: dict = dataclasses.field(default_factory=dict)
+    fetch: dict = dataclasses.field(default_factory=dict)
+
+
+class Context:
+    """Handed to model-building functions: creates each variable once.
+
+    A tf.function may be traced more than once, and variables must be created
+    only once and outside the function body; `tf.init_scope` does that (and in
+    a plain Graph it keeps the variable in that graph).
+    """
+
+    def __init__(self):
+        self.variables = {}
+
+    def variable(self, name, value, **kwargs):
+        if name not in self.variables:
+            with tf.init_scope():
+                self.variables[name] = tf.Variable(value, name=name, **kwargs)
+        return self.variables[name]
+
+
+@dataclasses.dataclass
+class Outcome:
+    """Everything one run produced, as numpy values (IndexedSlicesValue for sparse).
+
+    Attributes:
+      stock: stock tf.gradients, one entry per x.
+      ours: mode -> our gradients, one entry per x.
+      forward: ys ('y0', 'y1', ...) and fetches from the run with all gradients.
+      forward_stock_only: the same from a run of the graph with stock
+        tf.gradients only, before our gradients were added.
+      variables: variable name -> value after the run with gradients.
+      graph: the graph (or FuncGraph) that holds the gradients.
+      forward_ops: names of the ops the model-building function made in it.
+    """
+    stock: list
+    ours: dict
+    forward: dict
+    forward_stock_only: dict
+    variables: dict
+    graph: object
+    forward_ops: frozenset
+
+
+def _numpy(value):
+    if value is None:
+        return None
+    if isinstance(value, tf.IndexedSlices):
+        return IndexedSlicesValue(
+            value.values.numpy(), value.indices.numpy(),
+            None if value.dense_shape is None else value.dense_shape.numpy())
+    if isinstance(value, IndexedSlicesValue):
+        return value
+    return np.asarray(value)
+
+
+def _forward(model):
+    values = {f"y{i}": y for i, y in enumerate(model.ys)}
+    values.update(model.fetch)
+    return values
+
+
+def _stock(model):
+    return stock_gradients(model.ys, model.xs, model.grad_ys, **model.kwargs)
+
+
+def _ours(model, modes):
+    """Our gradients for every mode and explicit list, in the current graph."""
+    ours = {}
+    for mode in modes:
+        ours[mode] = msg.gradients(model.ys, model.xs, model.grad_ys,
+                                   checkpoints=mode, **model.kwargs)
+    for name, tensors in model.lists.items():
+        ours[f"list:{name}"] = msg.gradients(model.ys, model.xs, model.grad_ys,
+                                             checkpoints=tensors, **model.kwargs)
+    return ours
+
+
+def _build(build, ctx, tensors, forward_ops):
+    """Runs `build`, adding the names of the ops it creates to `forward_ops`."""
+    graph = tf.compat.v1.get_default_graph()
+    before = len(graph.get_operations())
+    model = build(ctx, **tensors)
+    forward_ops.update(op.name for op in graph.get_operations()[before:])
+    return model
+
+
+def _session_run(sess, fetches, feed_dict):
+    """`sess.run` that passes None entries through, as a tf.function does."""
+    flat = tf.nest.flatten(fetches)
+    values = iter(sess.run([f for f in flat if f is not None], feed_dict))
+    return tf.nest.pack_sequence_as(fetches, [None if f is None else next(values)
+                                              for f in flat])
+
+
+def gradients_vs_stock(runtime, build, inputs, modes=MODES, shapes=None):
+    """Builds `build(ctx, **input_tensors) -> Model` once and runs it with gradients.
+
+    Args:
+      runtime: 'session' (tf.compat.v1 Graph + Session, inputs are
+        placeholders), 'function' (tf.function, inputs are arguments) or
+        'xla' (the same with jit_compile=True).
+      build: the model-building function; it must create variables with
+        `ctx.variable` so they are made once and initialised the same way.
+      inputs: name -> numpy array fed as that input.
+      modes: string modes to run besides the model's explicit lists.
+      shapes: name -> static shape for an input (default: the array's shape);
+        use None dims to get dynamic shapes.
+
+    Every run starts from the variables' initial values.
+    """
+    shapes = {name: (shapes or {}).get(name, value.shape) for name, value in inputs.items()}
+    specs = {name: tf.TensorSpec(shapes[name], tf.as_dtype(value.dtype))
+             for name, value in inputs.items()}
+    ctx = Context()
+    forward_ops = set()
+    if runtime == "session":
+        graph = tf.Graph()
+        with graph.as_default():
+            feeds = {name: tf.compat.v1.placeholder(spec.dtype, spec.shape, name=name)
+                     for name, spec in specs.items()}
+            model = _build(build, ctx, feeds, forward_ops)
+            stock = _stock(model)
+            init = tf.compat.v1.global_variables_initializer()
+            feed_dict = {feeds[name]: value for name, value in inputs.items()}
+            with tf.compat.v1.Session(graph=graph) as sess:
+                sess.run(init)
+                forward_stock_only = _session_run(
+                    sess, {"stock": stock, "forward": _forward(model)}, feed_dict)["forward"]
+            ours = _ours(model, modes)
+            with tf.compat.v1.Session(graph=graph) as sess:
+                sess.run(init)
+                results = _session_run(
+                    sess, {"stock": stock, "ours": ours, "forward": _forward(model)},
+                    feed_dict)
+                variables = sess.run(ctx.variables)
+    elif runtime in ("function", "xla"):
+        names = sorted(specs)
+
+        def stock_only(*args):
+            model = _build(build, ctx, dict(zip(names, args)), set())
+            return {"stock": _stock(model), "forward": _forward(model)}
+
+        def with_gradients(*args):
+            model = _build(build, ctx, dict(zip(names, args)), forward_ops)
+            return {"stock": _stock(model), "ours": _ours(model, modes),
+                    "forward": _forward(model)}
+
+        signature = [specs[name] for name in names]
+        args = [tf.constant(inputs[name]) for name in names]
+        # No autograph: the graph holds exactly the ops the model function makes.
+        jit = runtime == "xla"
+        stock_fn = tf.function(stock_only, input_signature=signature, autograph=False,
+                               jit_compile=jit)
+        gradients_fn = tf.function(with_gradients, input_signature=signature,
+                                   autograph=False, jit_compile=jit)
+        stock_fn.get_concrete_function()  # creates the variables
+        initial = {name: v.numpy() for name, v in ctx.variables.items()}
+        forward_stock_only = stock_fn(*args)["forward"]
+        for name, v in ctx.variables.items():
+            v.assign(initial[name])
+        concrete = gradients_fn.get_concrete_function()
+        results = gradients_fn(*args) if jit else concrete(*args)
+        variables = ctx.variables
+        graph = concrete.graph
+    else:
+        raise ValueError(runtime)
+
+    return Outcome(
+        stock=[_numpy(g) for g in results["stock"]],
+        ours={mode: [_numpy(g) for g in grads] for mode, grads in results["ours"].items()},
+        forward={k: _numpy(v) for k, v in results["forward"].items()},
+        forward_stock_only={k: _numpy(v) for k, v in forward_stock_only.items()},
+        variables={k: _numpy(v) for k, v in variables.items()},
+        graph=graph, forward_ops=frozenset(forward_ops))
+
+
+def dense(value):
+    """A gradient value as a dense numpy array (IndexedSlices summed per row)."""
+    if isinstance(value, IndexedSlicesValue):
+        out = np.zeros(value.dense_shape, value.values.dtype)
+        np.add.at(out, value.indices, value.values)
+        return out
+    return value
+
+
+def assert_matches_stock(outcome, rtol=1e-5, atol=1e-6, forward_unchanged=True):
+    """Each mode's gradients equal stock's: same None-ness, same sparsity, close values.
+
+    With `forward_unchanged`, also checks that adding our gradients to the
+    graph leaves the forward values as they were with stock tf.gradients
+    alone (use False for random models). Within the same tolerance, not
+    bit for bit: Grappler's arithmetic rewrites of the forward ops depend on
+    their consumers, so extra consumers can change the last bit.
+    """
+    assert outcome.ours, "no mode was run"
+    for mode, grads in outcome.ours.items():
+        assert len(grads) == len(outcome.stock), mode
+        for i, (ours, stock) in enumerate(zip(grads, outcome.stock)):
+            where = f"mode {mode}, x #{i}"
+            if stock is None:
+                assert ours is None, f"{where}: tf.gradients gives None, ours {ours!r}"
+                continue
+            assert ours is not None, f"{where}: ours is None, tf.gradients is not"
+            stock_sparse = isinstance(stock, IndexedSlicesValue)
+            ours_sparse = isinstance(ours, IndexedSlicesValue)
+            assert ours_sparse == stock_sparse, (
+                f"{where}: IndexedSlices {ours_sparse}, tf.gradients {stock_sparse}")
+            assert dense(ours).dtype == dense(stock).dtype, where
+            np.testing.assert_allclose(
+                dense(ours).astype(np.float64), dense(stock).astype(np.float64),
+                rtol=rtol, atol=atol, err_msg=where)
+    if forward_unchanged:
+        assert outcome.forward.keys() == outcome.forward_stock_only.keys()
+        for name, value in outcome.forward.items():
+            np.testing.assert_allclose(value, outcome.forward_stock_only[name],
+                                       rtol=rtol, atol=atol, err_msg=name)
+
+
+def recompute_copies(outcome):
+    """(copy, original) pairs for the forward ops our rewrite copied.
+
+    A copy is named '<gradients scope>/recompute_<level>/<original name>' and
+    has the original's type and attributes.
+    """
+    graph = outcome.graph
+    pairs = []
+    for op in graph.get_operations():
+        match = re.search(r"/recompute_\d+/(.+)$", op.name)
+        if not match or match.group(1) not in outcome.forward_ops:
+            continue
+        original = graph.get_operation_by_name(match.group(1))
+        if original.type == op.type and original.node_def.attr == op.node_def.attr:
+            pairs.append((op, original))
+    return pairs
+
+
+@contextlib.contextmanager
+def control_flow_v1():
+    """Builds tf.while_loop / tf.cond as v1 Switch/Merge/Enter/Exit ops inside the block."""
+    tf.compat.v1.disable_control_flow_v2()
+    try:
+        yield
+    finally:
+        tf.compat.v1.enable_control_flow_v2()
+
+
+def copied_forward_loops(graph, forward_ops):
+    """Names of the loops among `forward_ops` that were copied: a copy is named
+    '<scope>/recompute_<level>/<forward op name>'. (recompute_copies misses
+    them: differentiating a loop changes its attributes.)"""
+    copied = set()
+    for op in graph.get_operations():
+        match = re.search(r"/recompute_\d+/(.+)$", op.name)
+        if op.type in ("While", "StatelessWhile") and match and match.group(1) in forward_ops:
+            copied.add(match.group(1))
+    return copied
