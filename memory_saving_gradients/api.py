@@ -17,6 +17,7 @@ from memory_saving_gradients.core import planning
 from memory_saving_gradients.core import simulation
 from memory_saving_gradients.core import strategies
 from memory_saving_gradients.core.model import GraphModel
+from memory_saving_gradients.tfgraph import loop_chunks
 from memory_saving_gradients.tfgraph import op_kinds
 from memory_saving_gradients.tfgraph import reading
 from memory_saving_gradients.tfgraph import rewrite
@@ -163,7 +164,7 @@ def _plan(ys, xs, checkpoints):
         num_recomputed_ops=plan.num_recomputed_ops,
         num_forward_ops=model.num_region_ops,
         estimate=simulation.estimate(model, plan),
-        notes=plan.notes,
+        notes=plan.notes + loop_chunks.describe(graph, read.region),
         plan=plan,
         model=model,
         reading=read)

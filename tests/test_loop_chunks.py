@@ -33,7 +33,7 @@ def _chunk_loops(graph):
 @pytest.fixture
 def chunk_size(monkeypatch):
     """Sets the chunk size the rewrite uses: `chunk_size(k)`."""
-    return lambda k: monkeypatch.setattr(loop_chunks, "default_chunk_size", lambda bound: k)
+    return lambda k: monkeypatch.setattr(loop_chunks, "choose_chunk_size", lambda loop, bound: k)
 
 
 def _lstm_like(ctx, x, bounded=True):
@@ -163,3 +163,28 @@ def test_long_loop_keeps_a_fraction_of_stock_memory():
     ours_peak, _ = msg.function_peak_bytes(ours, x)
     ratio = (ours_peak - gradient_bytes) / (stock_peak - gradient_bytes)
     assert ratio <= 0.3, (ours_peak, stock_peak)
+
+
+def test_checkpoint_plan_shows_each_loops_chunk_size():
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [2, 4])
+        w = tf.Variable(_normal((4, 4), 0.5))
+        bounded = tf.while_loop(lambda t, h: t < 100, lambda t, h: (t + 1, tf.tanh(h @ w)),
+                                [0, x], maximum_iterations=100, name="bounded")[1]
+        unbounded = tf.while_loop(lambda t, h: t < 100, lambda t, h: (t + 1, tf.tanh(h @ w)),
+                                  [0, bounded], name="unbounded")[1]
+        plan = msg.checkpoint_plan(tf.reduce_sum(unbounded), [w])
+    notes = "\n".join(plan.notes)
+    assert "loop bounded: rerun in chunks of 10 of its at most 100" in notes
+    assert "loop unbounded: rerun whole: its trip count is not known" in notes
+
+
+def test_chunk_size_balances_saved_states_and_one_chunk():
+    from memory_saving_gradients.core.loop_chunking import chunk_size, chunked_bytes
+    assert chunk_size(1) == 1
+    assert chunk_size(100) == 10
+    assert chunk_size(100, state_bytes=1, step_bytes=4) == 5  # big steps: short chunks
+    for trip, state, step in [(1000, 1, 1), (37, 3, 5), (4000, 10, 1)]:
+        best = min(chunked_bytes(trip, k, state, step) for k in range(1, trip + 1))
+        assert chunked_bytes(trip, chunk_size(trip, state, step), state, step) == best

@@ -24,13 +24,14 @@ gradient is built) has no such bound in its condition: it is rerun whole.
 
 import contextlib
 import logging
-import math
 from typing import Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
 
+from memory_saving_gradients.core import loop_chunking
 from memory_saving_gradients.tfgraph import compat
+from memory_saving_gradients.tfgraph import loops
 from memory_saving_gradients.tfgraph import static_values
 from memory_saving_gradients.tfgraph.gradient_waits import gradient_values
 from memory_saving_gradients.tfgraph.gradient_waits import is_numeric
@@ -43,6 +44,8 @@ CHUNK_GRADIENT = "MemorySavingGradientsLoopChunk"
 # Set on a forward loop while our gradients are built (`chunked_gradients`).
 LOOP_GRADIENT = "MemorySavingGradientsChunkedLoop"
 _COUNTER, _BOUND = 0, 1  # while_v2's first two loop inputs
+# Body ops whose outputs are no new memory.
+_FREE_OP_TYPES = frozenset({"Placeholder", "Identity", "Const", "ReadVariableOp"})
 
 
 def trip_bound(loop: tf.Operation) -> Optional[int]:
@@ -53,9 +56,21 @@ def trip_bound(loop: tf.Operation) -> Optional[int]:
     return int(value)
 
 
-def default_chunk_size(bound: int) -> int:
-    """About sqrt(T): T/k saved states and k iterations of one chunk balance."""
-    return max(1, math.ceil(math.sqrt(bound)))
+def choose_chunk_size(loop: tf.Operation, bound: int) -> int:
+    """The core's chunk size for `loop`, from its carried state's bytes and
+    the bytes its body computes per iteration (static shapes)."""
+    body = compat.while_function_graph(loop, loop.get_attr("body").name)
+    step = [t for op in body.get_operations() if op.type not in _FREE_OP_TYPES
+            for t in op.outputs]
+    state_bytes = _float_bytes(loop.inputs[2:])
+    # Shapes inside a body may be unknown (variables without handle data):
+    # then a step counts as much as a state.
+    return loop_chunking.chunk_size(bound, state_bytes, _float_bytes(step) or state_bytes)
+
+
+def _float_bytes(tensors):
+    return sum(t.shape.num_elements() * t.dtype.size for t in tensors
+               if t.dtype.is_floating and t.shape.is_fully_defined())
 
 
 def chunking(loop: tf.Operation) -> Tuple[Optional[int], str]:
@@ -65,10 +80,21 @@ def chunking(loop: tf.Operation) -> Tuple[Optional[int], str]:
     if bound is None:
         return None, ("rerun whole: its trip count is not known when the gradient is "
                       "built (no static maximum_iterations)")
-    size = min(default_chunk_size(bound), bound)
+    size = min(choose_chunk_size(loop, bound), bound)
     if size >= bound:
         return None, f"rerun whole: at most {bound} iteration(s), one chunk"
     return size, f"rerun in chunks of {size} of its at most {bound} iterations"
+
+
+def rerunnable_in(graph: tf.Graph, region: Iterable[str]) -> set:
+    """The rerunnable v2 while loops producing the tensors named in `region`."""
+    return loops.rerunnable_loops({graph.get_tensor_by_name(n).op for n in region})
+
+
+def describe(graph: tf.Graph, region: Iterable[str]) -> tuple:
+    """One note per rerunnable loop of `region`: its chunk size, or why none."""
+    found = sorted(rerunnable_in(graph, region), key=lambda op: op.name)
+    return tuple(f"loop {loop.name}: {chunking(loop)[1]}" for loop in found)
 
 
 def copy_loop(loop: tf.Operation, inputs: Sequence[tf.Tensor]) -> List[tf.Tensor]:

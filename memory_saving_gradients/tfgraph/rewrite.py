@@ -25,7 +25,6 @@ from memory_saving_gradients.core.planning import Plan
 from memory_saving_gradients.tfgraph import compat
 from memory_saving_gradients.tfgraph import copying
 from memory_saving_gradients.tfgraph import loop_chunks
-from memory_saving_gradients.tfgraph import loops
 from memory_saving_gradients.tfgraph.ledger import GradientLedger
 from memory_saving_gradients.tfgraph.reading import Reading
 
@@ -36,8 +35,7 @@ def backprop(reading: Reading, plan: Plan, ys, xs, grad_ys, stop_gradients, tf_k
     graph = ys[0].graph
     run = _Backprop(reading, plan, xs, stop_gradients, tf_kwargs, graph)
     # Loops differentiated where they are (not copied) are rerun in chunks too.
-    region_loops = loops.rerunnable_loops(graph.get_tensor_by_name(n).op for n in reading.region)
-    with loop_chunks.chunked_gradients(region_loops):
+    with loop_chunks.chunked_gradients(loop_chunks.rerunnable_in(graph, reading.region)):
         run.to_checkpoints(ys, grad_ys)
         for number, level in reversed(list(enumerate(plan.levels))):
             run.through_level(number, level)
