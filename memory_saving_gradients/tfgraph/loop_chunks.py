@@ -11,6 +11,9 @@ has our registered gradient (`_chunk_gradient`): it reruns the chunk once
 more, from its saved input state, as a plain While that the stock gradient
 differentiates (keeping k iterations), after the gradient from the chunk
 after it arrived. Peak: T/k carried states plus one chunk's intermediates.
+A loop differentiated where it is (not copied) gets the same treatment
+through a gradient set on it while our gradients are built
+(`chunked_gradients`, `_loop_gradient`).
 
 What it relies on (while_v2.while_loop): a While op's first two inputs are
 the iteration counter (starting at 0) and `maximum_iterations`, and its
