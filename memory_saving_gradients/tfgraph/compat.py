@@ -110,3 +110,9 @@ def set_gradient_override(op: tf.Operation, gradient_name) -> None:
 def copy_handle_data(source: tf.Tensor, target: tf.Tensor) -> None:
     """Gives `target` the resource/TensorList handle data (dtype, shape) of `source`."""
     handle_data_util.copy_handle_data(source, target)
+
+
+def set_parallel_iterations(loop: tf.Operation, count: int) -> None:
+    """Sets how many iterations of a While op may run at once."""
+    loop._set_attr("parallel_iterations",  # pylint: disable=protected-access
+                   attr_value_pb2.AttrValue(i=count))
