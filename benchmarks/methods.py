@@ -177,11 +177,61 @@ class Ours(TfGradients):
         return msg.gradients(loss, xs, checkpoints=self._checkpoints_arg())
 
 
+class OursTape(GradientTape):
+    """The stock tape step with memory_saving_gradients.checkpointing(mode) active.
+
+    What Keras `fit` with the Checkpointing callback runs: the tape hook
+    answers `tape.gradient` with our rewrite (benchmarks/keras_fit.py
+    measures `fit` itself).
+    """
+    ours = True
+
+    def __init__(self, mode):
+        super().__init__()
+        self.mode = mode
+        self.name = f"ours.tape({mode})"
+
+    def gradients(self, model, inputs, labels):
+        import memory_saving_gradients as msg
+        with msg.checkpointing(self.mode):
+            return super().gradients(model, inputs, labels)
+
+
+class OursBudget(Ours):
+    """checkpoints=budget(share x tf.gradients' activation memory, as the planner predicts it).
+
+    The prediction (`checkpoint_plan(...).estimate.baseline_bytes`) is the
+    reference because a fresh process has no measurement of tf.gradients;
+    `info['budget_bytes']` records the budget, to compare the measured peak with.
+    """
+
+    def __init__(self, share):
+        super().__init__("memory")
+        self.share = share
+        self.name = f"ours(budget {share:.0%})"
+        self._budget = None
+
+    def _checkpoints_arg(self):
+        return self._budget
+
+    def prepare(self, loss, xs):
+        import memory_saving_gradients as msg
+        baseline = msg.checkpoint_plan(loss, xs, "memory").estimate.baseline_bytes
+        self._budget = msg.budget(self.share * baseline)
+        self.info["budget_bytes"] = int(self._budget.max_bytes)
+        super().prepare(loss, xs)
+
+
+BUDGET_SHARES = (0.3, 0.5, 0.7)
+
+
 def _registry():
     methods = [TfGradients, GradientTape, RecomputeGrad]
     methods += [lambda m=m: KerasRemat(m)
                 for m in ("full", "activations", "larger_than", "list_of_layers")]
     methods += [lambda m=m: Ours(m) for m in ("memory", "speed", "collection", "list")]
+    methods += [lambda: OursTape("memory")]
+    methods += [lambda s=s: OursBudget(s) for s in BUDGET_SHARES]
     return {factory().name: factory for factory in methods}
 
 

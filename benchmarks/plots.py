@@ -36,6 +36,9 @@ LOOKS = {
     "ours(speed)": ("royalblue", "s"),
     "ours(collection)": ("purple", "D"),
     "ours(list)": ("saddlebrown", "P"),
+    "ours(budget 30%)": ("crimson", "1"),
+    "ours(budget 50%)": ("crimson", "2"),
+    "ours(budget 70%)": ("crimson", "3"),
 }
 
 

@@ -30,9 +30,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_OUT = os.path.join(HERE, "results")
 # --quick: the smallest size and batch of each model, 3 timed steps; every
 # method class of methods.py on the MLP, tf.gradients and ours(memory) on the
-# others. 12 jobs of 5-10 s each (4 s of which is importing TensorFlow).
+# others. 13 jobs of 5-10 s each (4 s of which is importing TensorFlow).
 QUICK_METHODS = {"mlp": (BASELINE, "tf.recompute_grad", "keras.RematScope(full)",
-                         "ours(memory)", "ours(speed)", "ours(collection)")}
+                         "ours(memory)", "ours(speed)", "ours(collection)",
+                         "ours.tape(memory)")}
 QUICK_OTHERS = (BASELINE, "ours(memory)")
 
 

@@ -10,6 +10,8 @@ from memory_saving_gradients.api import gradients
 from memory_saving_gradients.api import gradients_collection
 from memory_saving_gradients.api import gradients_memory
 from memory_saving_gradients.api import gradients_speed
+from memory_saving_gradients.core.budgets import Budget
+from memory_saving_gradients.core.budgets import budget
 from memory_saving_gradients.measure import enable_cpu_allocator_stats
 from memory_saving_gradients.measure import function_peak_bytes
 from memory_saving_gradients.measure import session_peak_bytes
@@ -18,7 +20,7 @@ from memory_saving_gradients.integrations.patching import patch_tf_gradients
 from memory_saving_gradients.integrations.patching import unpatch_tf_gradients
 
 __all__ = [
-    "CheckpointPlan", "checkpoint_plan", "checkpointing", "enable_cpu_allocator_stats",
+    "Budget", "CheckpointPlan", "budget", "checkpoint_plan", "checkpointing", "enable_cpu_allocator_stats",
     "function_peak_bytes",
     "gradients", "gradients_collection", "gradients_memory", "gradients_speed",
     "patch_tf_gradients", "session_peak_bytes", "unpatch_tf_gradients",

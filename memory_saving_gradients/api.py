@@ -14,12 +14,14 @@ import logging
 import tensorflow as tf
 
 from memory_saving_gradients.core import planning
-from memory_saving_gradients.core import simulation
+from memory_saving_gradients.core import timeline
 from memory_saving_gradients.core import strategies
 from memory_saving_gradients.core.model import GraphModel
+from memory_saving_gradients.tfgraph import captures
 from memory_saving_gradients.tfgraph import loop_chunks
 from memory_saving_gradients.tfgraph import op_kinds
 from memory_saving_gradients.tfgraph import reading
+from memory_saving_gradients.tfgraph import replicas
 from memory_saving_gradients.tfgraph import rewrite
 
 logger = logging.getLogger("memory_saving_gradients")
@@ -36,26 +38,31 @@ class CheckpointPlan:
     """What `gradients` would do, computed without changing the graph.
 
     Attributes:
-      mode: 'collection', 'memory', 'speed' or 'list'.
+      mode: 'collection', 'memory', 'speed', 'list', 'budget(...)' or
+        'custom:<name>' (the strategy's name).
       checkpoints: tensors the mode chose to keep.
       pinned: tensors kept because they cannot be recomputed (outputs of
         stateful or control-flow ops, their inputs, xs inside the region).
       num_recomputed_ops: ops copied and rerun during backprop.
       num_forward_ops: ops between xs and ys.
-      estimate: simulated memory and recompute cost (simulation.Estimate).
-      notes: fallbacks taken and inputs ignored.
+      estimate: predicted memory and recompute cost (timeline.Estimate).
+      notes: what the strategy chose and why, fallbacks taken, inputs ignored.
       plan, model: the core's plan and graph model, for inspection.
+      feasible: False when the strategy could not meet its own target.
+      result: the strategy's Result (chosen tensor names, plan, estimate).
     """
     mode: str
     checkpoints: tuple
     pinned: tuple
     num_recomputed_ops: int
     num_forward_ops: int
-    estimate: simulation.Estimate
+    estimate: timeline.Estimate
     notes: tuple
     plan: planning.Plan = dataclasses.field(repr=False)
     model: GraphModel = dataclasses.field(repr=False)
     reading: reading.Reading = dataclasses.field(repr=False)
+    feasible: bool = True
+    result: strategies.Result = dataclasses.field(default=None, repr=False)
 
     def __str__(self):
         est = self.estimate
@@ -63,13 +70,15 @@ class CheckpointPlan:
             f"mode {self.mode!r}: keep {len(self.checkpoints)} checkpoints "
             f"(+{len(self.pinned)} pinned), recompute {self.num_recomputed_ops} of "
             f"{self.num_forward_ops} forward ops",
-            f"simulated activation memory {est.peak_bytes / 2**20:.1f} MiB vs "
+            f"predicted activation memory {est.peak_bytes / 2**20:.1f} MiB vs "
             f"{est.baseline_bytes / 2**20:.1f} MiB for tf.gradients "
             f"({est.memory_ratio:.0%}), extra forward work "
             f"{est.recompute_flops / max(est.forward_flops, 1):.0%}",
         ]
         lines += [f"checkpoint: {t.name} {t.shape} {t.dtype.name}" for t in self.checkpoints]
         lines += [f"note: {n}" for n in self.notes]
+        if not self.feasible:
+            lines.append("note: the strategy could not meet its target")
         return "\n".join(lines)
 
 
@@ -80,9 +89,12 @@ def gradients(ys, xs, grad_ys=None, checkpoints="collection", **kwargs):
 
     Args:
       ys, xs, grad_ys: as for `tf.gradients` (tensors, or resource variables as xs).
-      checkpoints: a list of tensors to keep, or 'collection' (the tensors in
-        the graph collection 'checkpoints'), 'memory' (~sqrt(n) bottlenecks) or
-        'speed' (outputs of matmuls, convolutions, einsums).
+      checkpoints: a list of tensors to keep; 'collection' (the tensors in
+        the graph collection 'checkpoints'); 'memory' (the plan of least
+        predicted peak); 'speed' (least peak recomputing only cheap ops);
+        `budget(max_bytes)` (least recompute within a predicted activation
+        peak); or a callable receiving the GraphModel and returning the
+        names of the tensors to keep (a custom strategy).
       **kwargs: `name`, `gate_gradients`, `aggregation_method`,
         `stop_gradients`, `unconnected_gradients`, `colocate_gradients_with_ops`,
         passed on to `tf.gradients`.
@@ -105,11 +117,23 @@ def gradients(ys, xs, grad_ys=None, checkpoints="collection", **kwargs):
     unconnected = tf.UnconnectedGradients(
         tf_kwargs.pop("unconnected_gradients", tf.UnconnectedGradients.NONE))
     name = tf_kwargs.pop("name", None) or "gradients"
-    report = _plan(ys, xs, checkpoints)
+    graph = ys[0].graph
+    local = [x for x in xs if x.graph is graph]
+    # xs of enclosing graphs are reached through this graph's captures; past
+    # them, tf.gradients goes on through the enclosing graphs' ops, and so do we.
+    entries = captures.differentiable_captures(graph) if len(local) < len(xs) else []
+    sources = local + [internal for _, internal in entries]
+    report = _plan(ys, sources, checkpoints)
     logger.info("memory_saving_gradients: %s", str(report).replace("\n", "; "))
-    with ys[0].graph.name_scope(name):
-        return rewrite.backprop(report.reading, report.plan, ys, xs, grad_ys, stops, tf_kwargs,
-                                unconnected)
+    with graph.name_scope(name):
+        found = rewrite.backprop(report.reading, report.plan, ys, sources, grad_ys, stops,
+                                 tf_kwargs, unconnected)
+        by_x = dict(zip(map(id, local), found))
+        outer = [x for x in xs if x.graph is not graph]
+        if outer:
+            by_x.update(zip(map(id, outer), captures.beyond(
+                entries, found[len(local):], outer, unconnected)))
+        return [by_x[id(x)] for x in xs]
 
 
 @tf.autograph.experimental.do_not_convert
@@ -138,7 +162,7 @@ def checkpoint_plan(ys, xs, checkpoints="memory"):
       >>> print(memory_saving_gradients.checkpoint_plan(loss, model.weights))
     """
     ys, xs, _ = _normalise(ys, xs, None)
-    return _plan(ys, xs, checkpoints)
+    return _plan(ys, [x for x in xs if x.graph is ys[0].graph], checkpoints)
 
 
 def validate_checkpoints(checkpoints) -> str:
@@ -153,21 +177,24 @@ def _plan(ys, xs, checkpoints):
     read = reading.build_model(ys, xs)
     model = read.model
     mode = strategies.validate(checkpoints)
-    chosen = strategies.select(model, mode, _explicit_names(read, ys, xs, mode, checkpoints))
-    plan = planning.make_plan(model, chosen.names, mode, chosen.notes)
+    names = () if mode == "custom" else _explicit_names(read, ys, xs, mode, checkpoints)
+    result = strategies.select(model, mode, names, checkpoints)
+    plan = result.plan
     graph = ys[0].graph
     kept = set(plan.chosen)
     return CheckpointPlan(
-        mode=mode,
+        mode=result.strategy,
         checkpoints=tuple(graph.get_tensor_by_name(n) for n in plan.chosen),
         pinned=tuple(graph.get_tensor_by_name(n) for n in plan.kept if n not in kept),
         num_recomputed_ops=plan.num_recomputed_ops,
         num_forward_ops=model.num_region_ops,
-        estimate=simulation.estimate(model, plan),
-        notes=plan.notes + loop_chunks.describe(graph, read.region),
+        estimate=result.estimate,
+        notes=result.notes + loop_chunks.describe(graph, read.region),
         plan=plan,
         model=model,
-        reading=read)
+        reading=read,
+        feasible=result.feasible,
+        result=result)
 
 
 def _explicit_names(read, ys, xs, mode, checkpoints):
@@ -205,6 +232,7 @@ def _normalise(ys, xs, grad_ys):
             "memory_saving_gradients works on graphs, and TensorFlow is executing "
             "eagerly: wrap the training step in tf.function (or build a "
             "tf.compat.v1 graph), as tf.gradients requires too")
+    replicas.check_arguments((("ys", ys), ("xs", xs), ("grad_ys", grad_ys)))
     ys = _as_tensors(ys, "ys", allow_variables=True)
     if not ys:
         raise ValueError("ys is empty: pass the tensor(s) to differentiate")
@@ -215,7 +243,9 @@ def _normalise(ys, xs, grad_ys):
                          f"another: call gradients inside the graph or tf.function "
                          f"that built ys")
     _check_same_graph(ys, graph, "ys")
-    _check_same_graph(xs, graph, "xs")
+    for x in xs:
+        if not captures.encloses(x.graph, graph):
+            _check_same_graph([x], graph, "xs")
     if grad_ys is not None:
         grad_ys = _as_tensors(grad_ys, "grad_ys", allow_none=True)
         if len(grad_ys) != len(ys):
@@ -243,10 +273,16 @@ def _as_tensors(values, what, allow_variables=False, allow_none=False):
                        else tf.convert_to_tensor(v))
         elif tf.is_symbolic_tensor(v):
             out.append(v)
+        elif what == "xs" and isinstance(v, tf.Tensor) and _in_function():
+            out.append(tf.convert_to_tensor(v))  # an eager tensor: captured, as tf.gradients does
         else:
             raise TypeError(f"{what}[{i}] must be a tf.Tensor in a graph, got "
                             f"{type(v).__name__}: {v!r}")
     return out
+
+
+def _in_function():
+    return hasattr(tf.compat.v1.get_default_graph(), "captures")  # a tf.function's FuncGraph
 
 
 def _check_same_graph(tensors, graph, what):

@@ -112,7 +112,9 @@ def _ours(model, modes):
     """Our gradients for every mode and explicit list, in the current graph."""
     ours = {}
     for mode in modes:
-        ours[mode] = msg.gradients(model.ys, model.xs, model.grad_ys,
+        # Strategy objects (budgets, callables) are reported by name: tf.nest wants str keys.
+        name = mode if isinstance(mode, str) else getattr(mode, "__name__", repr(mode))
+        ours[name] = msg.gradients(model.ys, model.xs, model.grad_ys,
                                    checkpoints=mode, **model.kwargs)
     for name, tensors in model.lists.items():
         ours[f"list:{name}"] = msg.gradients(model.ys, model.xs, model.grad_ys,

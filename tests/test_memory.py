@@ -170,8 +170,6 @@ def test_memory_mode_without_bottleneck_warns_and_still_saves(caplog):
 _MEASURE_ONE_CALL = """
 import tensorflow as tf
 import memory_saving_gradients as msg
-from models import residual_block
-from models import tanh_block
 if {enable}:
     msg.enable_cpu_allocator_stats()
 step = tf.function(lambda x: tf.tanh(x) * 2.0)

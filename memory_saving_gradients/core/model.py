@@ -58,6 +58,13 @@ class GraphModel:
         checkpoint is expanded to, so no output of a copied op is forgotten).
       other_bytes: bytes of region tensors that are not activations (weights).
       num_region_ops: how many ops lie between xs and ys.
+      grad_reads: op name -> the activations (its inputs and outputs) its
+        registered gradient reads, as TensorFlow builds it; ops left out are
+        taken to read every activation input and output.
+      workspace: op name -> bytes its gradient ops allocate besides their
+        results while they run (scratch buffers, intermediate tensors).
+      weight_grad_bytes: op name -> bytes of the gradients it sends to
+        weights (region tensors that are not activations).
     """
     graph: nx.DiGraph
     tensors: Mapping[str, Activation]
@@ -67,6 +74,9 @@ class GraphModel:
     op_outputs: Mapping[str, tuple[str, ...]]
     other_bytes: int = 0
     num_region_ops: int = 0
+    grad_reads: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    workspace: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    weight_grad_bytes: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
     def op_of(self, name: str) -> str:
         """The op producing activation `name`."""

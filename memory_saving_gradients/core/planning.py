@@ -10,8 +10,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterable
 
-import toposort
-
 from memory_saving_gradients.core.model import GraphModel
 
 
@@ -102,9 +100,9 @@ def make_plan(model: GraphModel, chosen: Iterable[str], strategy: str, notes=())
     """Builds the Plan that keeps `chosen` plus the model's pinned tensors.
 
     Each checkpoint's segment is the ops between it and the nearest checkpoints
-    above it. Checkpoints are grouped into levels with `toposort` so a level is
-    recomputed only after every checkpoint that reads it has sent its gradient.
-    Linear in the model size per level.
+    above it. Checkpoints are grouped into levels (layers of the dependency
+    order) so a level is recomputed only after every checkpoint that reads it
+    has sent its gradient. Linear in the model size per level.
     """
     rank = {n: i for i, n in enumerate(model.order)}
     checkpoints = expand_to_ops(model, chosen) | set(model.pinned)
@@ -114,8 +112,7 @@ def make_plan(model: GraphModel, chosen: Iterable[str], strategy: str, notes=())
         recomputed, deps[c] = segment(model, c, checkpoints)
         ops_of[c] = {model.op_of(t) for t in recomputed}
     levels = []
-    for group in toposort.toposort(deps):
-        group = sorted(group, key=rank.__getitem__)
+    for group in _layers(deps, rank):
         owners = {}
         for c in group:
             for op in ops_of[c]:
@@ -129,3 +126,18 @@ def make_plan(model: GraphModel, chosen: Iterable[str], strategy: str, notes=())
                 kept=tuple(sorted(checkpoints, key=rank.__getitem__)),
                 chosen=tuple(sorted(expand_to_ops(model, chosen), key=rank.__getitem__)),
                 levels=tuple(levels), notes=tuple(notes))
+
+
+def _layers(deps, rank):
+    """Checkpoints grouped by their longest chain of dependencies, first layer first.
+
+    The layers a Kahn-style topological sort gives, in one pass over the topological
+    order instead of one pass per layer (thousands of layers on deep nets).
+    """
+    depth = {}
+    for c in sorted(deps, key=rank.__getitem__):
+        depth[c] = 1 + max((depth[d] for d in deps[c]), default=-1)
+    layers = [[] for _ in range(1 + max(depth.values(), default=-1))]
+    for c, d in depth.items():
+        layers[d].append(c)
+    return layers

@@ -1,28 +1,31 @@
-"""Selection: strategies that choose which activations to keep.
+"""Strategies: which activations to keep. One registry, one result type.
 
-Every strategy has the same shape, ``strategy(model) -> Selection``, and knows
-nothing of TensorFlow, so a new strategy is one new function here:
+A strategy is a callable ``strategy(model) -> Result`` (or returning tensor
+names, which the registry turns into a Result); it knows nothing of
+TensorFlow. `run` resolves what a user passed as ``checkpoints=``:
 
-* `speed`: keep outputs of expensive ops (contractions); recompute the cheap
-  elementwise ops between them.
-* `memory`: keep about sqrt(n) bottlenecks, spaced so segments are equal in
-  bytes; on graphs without single-tensor bottlenecks, keep small separator sets.
-* `explicit`: keep exactly the given tensors (a list, or the 'checkpoints'
-  collection, read by the caller).
+* 'memory': the plan of least predicted peak over cuts of a topological
+  order, found exactly on the cut model (`cuts`, `solvers`); ties broken
+  by least recompute.
+* 'speed': the same, recomputing only cheap ops (never a matmul,
+  convolution or einsum), so at most one extra forward pass of cheap ops.
+* a sequence of tensor names: keep exactly those ('list', 'collection').
+* any other callable: a custom strategy receiving the GraphModel and
+  returning the names of the tensors to keep, or a Result
+  (`budgets.Budget` is one).
 """
 
-from __future__ import annotations
-
-import bisect
+import collections.abc
 import dataclasses
 import logging
-import math
 
-import networkx as nx
+import numpy as np
 
+from memory_saving_gradients.core import cuts
 from memory_saving_gradients.core import planning
+from memory_saving_gradients.core import pricing
+from memory_saving_gradients.core import solvers
 from memory_saving_gradients.core.model import GraphModel
-from memory_saving_gradients.core import simulation
 
 logger = logging.getLogger(__name__)
 
@@ -31,202 +34,161 @@ EXPENSIVE_OP_TYPES = frozenset({
     "Conv", "Conv2D", "Conv3D", "DepthwiseConv2dNative", "Conv2DBackpropInput",
     "Conv3DBackpropInputV2", "_FusedMatMul", "_FusedConv2D",
 })
+MAX_CUTS = 128  # candidate cuts on large graphs (all op boundaries below that)
 
 
 @dataclasses.dataclass(frozen=True)
-class Selection:
-    """Chosen checkpoint tensor names, and remarks on how they were chosen."""
-    names: frozenset
-    notes: tuple = ()
+class Result:
+    """What every strategy returns.
+
+    Attributes:
+      strategy: its name ('memory', 'speed', 'list', 'budget(...)', ...).
+      chosen: tensor names it chose to keep (whole ops, without pinned ones).
+      feasible: False when the strategy could not meet its own target.
+      notes: what was chosen and why, in words.
+      plan: the plan built from `chosen` (what the rewrite executes).
+      estimate: `pricing.predict` of that plan.
+    """
+    strategy: str
+    chosen: tuple
+    feasible: bool
+    notes: tuple
+    plan: planning.Plan = dataclasses.field(repr=False)
+    estimate: pricing.timeline.Estimate
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.estimate.peak_bytes
+
+    @property
+    def recompute_flops(self) -> int:
+        return self.estimate.recompute_flops
 
 
-def explicit(model: GraphModel, names) -> Selection:
+def result_of(model: GraphModel, names, strategy, notes=(), feasible=True) -> Result:
+    """Plans and prices keeping `names`: the common end of every strategy."""
+    plan = planning.make_plan(model, names, strategy, notes)
+    return Result(strategy=strategy, chosen=plan.chosen, feasible=feasible,
+                  notes=tuple(notes), plan=plan, estimate=pricing.predict(model, plan))
+
+
+def explicit(model: GraphModel, names, strategy="list") -> Result:
     """Keeps exactly `names` (activation tensor names of `model`)."""
-    return Selection(frozenset(n for n in names if n in model.graph))
+    return result_of(model, {n for n in names if n in model.graph}, strategy)
 
 
-def speed(model: GraphModel) -> Selection:
-    """Keeps outputs of matmuls, convolutions and einsums; recomputes the rest once.
+def memory(model: GraphModel) -> Result:
+    """Keeps the tensors alive across the cuts of least peak (ties: least recompute).
 
-    Tensors that several segments would recompute (a residual stream between
-    two matmuls) are kept too, bottlenecks among them first, so no op is
-    recomputed more than once and segments stay short. A copied contraction
-    whose output nothing reads is never run: its gradient needs only its
-    inputs. O(n) per pass, at most a few passes.
+    Example: on a 100-layer tanh chain it keeps about 10 tensors, spaced so the
+    recomputed segments and the kept tensors are balanced.
+    """
+    return _solved(model, "memory", None)
+
+
+def speed(model: GraphModel) -> Result:
+    """Least peak among the plans that recompute no matmul, convolution or einsum.
+
+    Each op is in one interval, so it is recomputed at most once; the plan
+    with no cut (tf.gradients' own memory) is among those searched.
     """
     tensors = model.tensors
-    chosen = {n for n in model.order
-              if tensors[n].op_type in EXPENSIVE_OP_TYPES and tensors[n].is_float
-              and n not in model.ys}
-    streams = set(bottlenecks(model))
-    for _ in range(4):
-        shared = planning.shared_tensors(
-            model, planning.expand_to_ops(model, chosen) | model.pinned) - set(model.ys)
-        if not shared:
-            break
-        chosen |= (shared & streams) or shared
-    return Selection(frozenset(chosen))
+    # Right after an expensive op is where a plan keeps its output.
+    problem = cuts.from_model(model, MAX_CUTS, EXPENSIVE_OP_TYPES.__contains__)
+    expensive = np.array([tensors[model.op_outputs[op][0]].op_type in EXPENSIVE_OP_TYPES
+                          for op in problem.ops], bool)
+    result = _solved(model, "speed", expensive, problem)
+    if result.peak_bytes <= result.estimate.baseline_bytes:
+        return result
+    return result_of(model, set(), "speed", (
+        f"the least-peak cheap plan was predicted above tf.gradients' memory "
+        f"({result.peak_bytes / 2**20:.1f} MiB); kept only what must be kept",))
 
 
-def memory(model: GraphModel) -> Selection:
-    """Keeps ~sqrt(n) bottlenecks: the plan with the lowest simulated peak.
-
-    Bottlenecks are tensors every path from the data to the ys passes
-    through (immediate dominators, near-linear to find). When there are none,
-    as in U-Nets or DenseNets, it keeps separator sets instead: every tensor
-    alive across a cut of the topological order, at the cheapest cuts.
-
-    Example: on a 100-layer tanh chain it keeps 10 tensors, one every 10 layers.
-    """
-    order = model.order
-    if not order:
-        return Selection(frozenset())
-    dominators = [n for n in bottlenecks(model) if model.tensors[n].is_float]
-    plans = [(_price(model, chosen), chosen, "bottleneck")
-             for chosen in _spaced_choices(model, dominators)]
-    plans += [(_price(model, chosen), chosen, "separator")
-              for chosen in _separator_choices(model)]
-    if not plans:
-        return Selection(frozenset())
-    _, chosen, kind = min(plans, key=lambda p: (p[0], len(p[1])))
-    notes = ()
-    if kind == "separator":
-        notes = (f"no usable single-tensor bottleneck between xs and ys "
-                 f"({len(dominators)} found); kept {len(chosen)} tensors that "
-                 f"separate the graph at its cheapest cuts instead",)
-        logger.warning("memory_saving_gradients: %s", notes[0])
-    return Selection(frozenset(chosen), notes)
+def cut_problem(model: GraphModel):
+    return cuts.from_model(model, max_cuts=MAX_CUTS)
 
 
-_NAMED = {"memory": memory, "speed": speed}
-# Every `checkpoints` mode; 'collection' keeps the names the caller read from
-# the graph's collection, a list (mode 'list') the names given.
+def _solved(model, name, forbidden, problem=None):
+    problem = problem or cut_problem(model)
+    found = solvers.least_peak(problem, forbidden)
+    names = tensors_of(model, found.cost.kept_ops)
+    note = (f"kept {len(names)} tensors alive across {len(found.cuts)} of "
+            f"{len(problem.cuts)} candidate cuts: the least peak of the cut model "
+            f"({found.cost.peak_bytes / 2**20:.1f} MiB)")
+    return result_of(model, names, name, (note,))
+
+
+def tensors_of(model: GraphModel, ops):
+    """Activation tensor names of `ops`, ys left out (backprop starts from them)."""
+    ys = set(model.ys)
+    return {t for op in ops for t in model.op_outputs[op] if t not in ys}
+
+
+STRATEGIES = {"memory": memory, "speed": speed}
+# Every `checkpoints` mode name; 'collection' keeps the names the caller read
+# from the graph's collection, a list (mode 'list') the names given.
 MODES = ("collection", "memory", "speed")
 
 
 def validate(checkpoints) -> str:
-    """The mode of a `checkpoints` argument: a mode name, or 'list' for a sequence.
+    """The mode of a `checkpoints` argument: a mode name, 'custom' for a
+    callable (budgets included), 'list' for a sequence.
 
     The one place an unknown mode is refused, for every way in.
     """
     if isinstance(checkpoints, str):
         if checkpoints not in MODES:
             raise ValueError(f"unknown checkpoints mode {checkpoints!r}: use one of "
-                             f"{', '.join(map(repr, MODES))} or a list of tensors")
+                             f"{', '.join(map(repr, MODES))}, a list of tensors, "
+                             f"budget(max_bytes) or a callable strategy")
         return checkpoints
-    return "list"
+    return "custom" if callable(checkpoints) else "list"
 
 
-def select(model: GraphModel, mode: str, names=()) -> Selection:
-    """Runs the strategy of `mode`; 'collection' and 'list' keep exactly `names`."""
-    if mode in _NAMED:
-        return _NAMED[mode](model)
-    return explicit(model, names)
+def select(model: GraphModel, mode: str, names=(), strategy=None) -> Result:
+    """Runs the strategy of `mode` and logs what it chose.
 
-
-def bottlenecks(model: GraphModel) -> list:
-    """Activations on every path from the data inputs to the ys, in order.
-
-    Computed as the dominators of a super-sink fed by the ys, from a
-    super-source feeding the first activations (Cooper-Harvey-Kennedy,
-    near-linear). Example: [h1, h2, h3] for the chain x -> h1 -> h2 -> h3 -> y.
+    'collection' and 'list' keep exactly `names`; 'custom' runs `strategy`.
     """
-    if not model.ys:
-        return []
-    source, sink = ("source",), ("sink",)  # tuples never clash with tensor names
-    graph = nx.DiGraph(model.graph.edges)
-    graph.add_nodes_from(model.graph)
-    graph.add_edges_from((source, n) for n in model.graph
-                         if model.graph.in_degree(n) == 0)
-    graph.add_edges_from((y, sink) for y in model.ys)
-    idom = nx.immediate_dominators(graph, source)
-    chain = []
-    node = idom[sink]
-    while node != source:
-        chain.append(node)
-        node = idom[node]
-    return [n for n in reversed(chain) if n not in model.ys]
+    if mode in STRATEGIES:
+        result = STRATEGIES[mode](model)
+    elif mode == "custom":
+        result = _custom(model, strategy)
+    else:
+        result = explicit(model, names, mode)
+    logger.info("memory_saving_gradients: strategy %s keeps %d tensors; %s",
+                result.strategy, len(result.chosen), "; ".join(result.notes) or "-")
+    return result
 
 
-def _price(model, chosen):
-    plan = planning.make_plan(model, chosen, "memory")
-    est = simulation.estimate(model, plan)
-    return est.peak_bytes, est.recompute_flops
+def run(model: GraphModel, checkpoints) -> Result:
+    """`select` for a `checkpoints` value that needs no graph: a mode name
+    other than 'collection', a callable, or a sequence of activation names."""
+    mode = validate(checkpoints)
+    return select(model, mode, () if mode == "custom" else checkpoints, checkpoints)
 
 
-def _positions(model):
-    """Cumulative activation bytes at each tensor of the topological order."""
-    total = 0
-    positions = []
-    for n in model.order:
-        total += max(model.tensors[n].bytes, 1)
-        positions.append(total)
-    return positions
-
-
-def _counts_to_try(limit, n):
-    """Checkpoint counts worth simulating: all when few, else a geometric sweep
-    from sqrt(n)/4 to 4*sqrt(n), where the optimum of k + n/k lies."""
-    if limit <= 24:
-        return range(1, limit + 1)
-    low, high = max(1.0, math.sqrt(n) / 4), min(limit, 4 * math.sqrt(n))
-    counts, k = set(), low
-    while k <= high:
-        counts.add(round(k))
-        k *= 1.25
-    return sorted(counts) or [min(limit, max(1, math.isqrt(n)))]
-
-
-def _spaced_choices(model, candidates):
-    """For several counts k, k candidates spaced evenly by activation bytes."""
-    if not candidates:
-        return []
-    rank = {n: i for i, n in enumerate(model.order)}
-    positions = _positions(model)
-    cand_pos = [positions[rank[c]] for c in candidates]
-    total = positions[-1]
-    choices = []
-    for k in _counts_to_try(len(candidates), len(model.order)):
-        chosen = set()
-        for j in range(1, k + 1):
-            i = bisect.bisect_left(cand_pos, j * total / (k + 1))
-            near = min((i - 1, i), key=lambda q: abs(cand_pos[q] - j * total / (k + 1))
-                       if 0 <= q < len(cand_pos) else math.inf)
-            chosen.add(candidates[near])
-        choices.append(frozenset(chosen))
-    return list(dict.fromkeys(choices))
-
-
-def _separator_choices(model):
-    """For several counts k, the tensors alive across k cheap topological cuts."""
-    order = model.order
-    rank = {n: i for i, n in enumerate(order)}
-    end = len(order)
-    last_use = [max((rank[s] for s in model.graph.successors(n)), default=end)
-                for n in order]
-    for y in model.ys:
-        last_use[rank[y]] = end
-    # live[p]: bytes of tensors produced at or before p and read after p.
-    delta = [0] * (end + 1)
-    for i, n in enumerate(order):
-        delta[i] += model.tensors[n].bytes
-        delta[last_use[i]] -= model.tensors[n].bytes
-    live, running = [], 0
-    for p in range(end):
-        running += delta[p]
-        live.append(running)
-    positions = _positions(model)
-    total = positions[-1]
-    choices = []
-    for k in _counts_to_try(max(1, math.isqrt(end) * 2), end):
-        cuts = set()
-        for j in range(1, k + 1):
-            lo = bisect.bisect_left(positions, (j - 0.5) * total / (k + 1))
-            hi = bisect.bisect_right(positions, (j + 0.5) * total / (k + 1))
-            window = range(lo, max(lo + 1, min(hi, end - 1)))
-            cuts.add(min(window, key=live.__getitem__, default=lo))
-        chosen = {order[i] for p in cuts for i in range(p + 1)
-                  if last_use[i] > p and order[i] not in model.ys}
-        if chosen:
-            choices.append(frozenset(chosen))
-    return list(dict.fromkeys(choices))
+def _custom(model: GraphModel, strategy) -> Result:
+    """Runs a user's strategy and checks that it names activations of `model`."""
+    name = getattr(strategy, "__name__", None) or repr(strategy)
+    picked = strategy(model)
+    if isinstance(picked, Result):
+        return picked
+    if isinstance(picked, (str, bytes)) or not isinstance(picked, collections.abc.Iterable):
+        raise TypeError(f"custom checkpoints strategy {name} returned "
+                        f"{type(picked).__name__}; it must return a list of tensor "
+                        f"names (strings such as 'dense/Relu:0')")
+    picked = list(picked)
+    for item in picked:
+        if not isinstance(item, str):
+            hint = " (use its .name)" if isinstance(getattr(item, "name", None), str) else ""
+            raise TypeError(f"custom checkpoints strategy {name} returned {item!r}; "
+                            f"return tensor names (strings){hint}")
+    unknown = [n for n in picked if n not in model.graph]
+    if unknown:
+        sample = ", ".join(model.order[:3])
+        raise ValueError(f"custom checkpoints strategy {name} returned names that are "
+                         f"not activations between xs and ys: {unknown[:5]}; pick names "
+                         f"from model.order (for example {sample})")
+    return result_of(model, set(picked), f"custom:{name}")

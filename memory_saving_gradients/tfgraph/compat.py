@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
+from tensorflow.python.eager import record
 from tensorflow.python.framework import op_def_registry
 from tensorflow.python.framework import ops as tf_ops
 from tensorflow.python.ops import control_flow_util
 from tensorflow.python.ops import control_flow_util_v2
 from tensorflow.python.ops import default_gradient
+from tensorflow.python.ops import gradients as gradients_module
 from tensorflow.python.ops import gradients_impl
 from tensorflow.python.ops import handle_data_util
 
@@ -116,3 +118,17 @@ def set_parallel_iterations(loop: tf.Operation, count: int) -> None:
     """Sets how many iterations of a While op may run at once."""
     loop._set_attr("parallel_iterations",  # pylint: disable=protected-access
                    attr_value_pb2.AttrValue(i=count))
+
+
+def tf1_optimizer_gradients_module():
+    """The module whose `gradients` the TF1 optimizers call.
+
+    `tf.compat.v1.train.Optimizer.compute_gradients` calls
+    `tensorflow.python.ops.gradients.gradients`, not `tf.gradients`.
+    """
+    return gradients_module
+
+
+def any_tape_recording() -> bool:
+    """True while any GradientTape or ForwardAccumulator could record new ops."""
+    return record.could_possibly_record()

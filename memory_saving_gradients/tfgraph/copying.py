@@ -14,11 +14,40 @@ from memory_saving_gradients.core.planning import Level
 from memory_saving_gradients.tfgraph import compat
 from memory_saving_gradients.tfgraph import loop_chunks
 from memory_saving_gradients.tfgraph import loops
-# Re-exported: the rewrite and loop_chunks both make recomputation wait.
-from memory_saving_gradients.tfgraph.gradient_waits import gradient_values  # noqa: F401
+# Re-exported: the rewrite and loop_chunks both read gradients' values.
+from memory_saving_gradients.tfgraph.gradient_waits import gradient_values
 from memory_saving_gradients.tfgraph.gradient_waits import is_numeric
-from memory_saving_gradients.tfgraph.gradient_waits import wait_for_gradient
 from memory_saving_gradients.tfgraph.reading import Reading
+
+
+def gate(gradients: list):
+    """A scalar that exists only once all `gradients` do; None if none is numeric.
+
+    A level's recomputation waits for it: for the gradients reaching the
+    level, and for every gradient the previous phase returned, so that
+    phase's gradient ops, weight gradients (Conv2DBackpropFilter, ...)
+    included, have run and its recomputed tensors are free. Without it,
+    TensorFlow with one inter-op thread defers weight gradients to the end of
+    the step and every level's copies stay alive together. It reads one
+    element of each gradient: `g != g` is never NaN (unlike `0 * g` for an
+    infinite g).
+    """
+    elements = [tf.reshape(gradient_values(g), [-1])[:1] for g in gradients
+                if is_numeric(gradient_values(g).dtype)]
+    if not elements:
+        return None
+    with tf.name_scope("wait_for_gradients"):
+        return tf.reduce_any(tf.concat([tf.not_equal(e, e) for e in elements], axis=0))
+
+
+def wait_for_gate(tensor: tf.Tensor, level_gate: tf.Tensor) -> tf.Tensor:
+    """`tensor` plus a zero computed from `level_gate` (see `gate`).
+
+    A data dependency that XLA must respect (it drops control inputs); XLA
+    folds `x * 0` only for integers, so it stays.
+    """
+    with tf.name_scope("wait_for_gradient"):
+        return tensor + tf.cast(level_gate, tensor.dtype) * tf.zeros([], tensor.dtype)
 
 
 class Boundary:
@@ -39,33 +68,37 @@ class Boundary:
     def holds(self, name: str) -> bool:
         return name in self._kept or name in self._x_names or self._reading.is_weight(name)
 
-    def stub(self, tensor: tf.Tensor, stubs: dict, arrived: list) -> tf.Tensor:
+    def stub(self, tensor: tf.Tensor, stubs: dict, level_gate) -> tf.Tensor:
         """The level's stub for `tensor` (made on first use), or `tensor` itself.
 
-        `arrived` are the numeric gradients reaching the level. XLA (jit_compile)
-        drops the control inputs that make copies wait for them, then runs
-        the copies early or merges them with their originals (CSE, even
-        through optimization barriers on CPU). So under XLA the stub also
-        reads one of those gradients: a data dependency XLA must respect.
+        `level_gate` (see `gate`) exists once the level may start. XLA
+        (jit_compile) drops the control inputs that make copies wait for it,
+        then runs the copies early or merges them with their originals (CSE,
+        even through optimization barriers on CPU). So under XLA the stub also
+        reads the gate: a data dependency XLA must respect.
         """
         if not self.holds(tensor.name):
             return tensor
         if tensor.name not in stubs:
-            if self._xla and arrived and is_numeric(tensor.dtype):
-                stub = wait_for_gradient(tensor, arrived[0])
+            if self._xla and level_gate is not None and is_numeric(tensor.dtype):
+                stub = wait_for_gate(tensor, level_gate)
             else:
                 stub = tf.identity(tensor)
-            compat.set_device(stub.op, tensor.op.device)
+            # A variable read has no device of its own: its stub then keeps the
+            # caller's device scope, which under tf.distribute is the replica's.
+            if tensor.op.device:
+                compat.set_device(stub.op, tensor.op.device)
             stubs[tensor.name] = stub
         return stubs[tensor.name]
 
 
-def copy_level(graph: tf.Graph, level: Level, seeds: dict, stub) -> dict:
+def copy_level(graph: tf.Graph, level: Level, seeds: dict, level_gate, stub) -> dict:
     """Copies the level's ops; returns original tensor name -> copied tensor.
 
     `stub(tensor)` gives what a copy reads in place of a boundary tensor. Ops
     that read no other copy get control inputs on the gradients of the
-    checkpoints they serve, so the executor cannot run them early.
+    checkpoints they serve and on `level_gate` (None: none), so the executor
+    runs them neither early nor while the previous phase's tensors live.
     """
     copies = {}
     for op_name in level.copy_ops:
@@ -74,7 +107,8 @@ def copy_level(graph: tf.Graph, level: Level, seeds: dict, stub) -> dict:
             continue  # serves only checkpoints that receive no gradient
         op = graph.get_operation_by_name(op_name)
         inputs = [copies[i.name] if i.name in copies else stub(i) for i in op.inputs]
-        waits = [] if any(i.name in copies for i in op.inputs) else [g.op for g in owners]
+        waits = [] if any(i.name in copies for i in op.inputs) else (
+            [g.op for g in owners] + ([level_gate.op] if level_gate is not None else []))
         if waits and op.type in loops.LOOP_OP_TYPES:
             # Differentiating a loop appends data inputs to it, and a node's
             # control inputs must follow its data inputs: it waits through them.

@@ -17,9 +17,11 @@ import tensorflow as tf
 from memory_saving_gradients.core.model import Activation
 from memory_saving_gradients.core.model import GraphModel
 from memory_saving_gradients.tfgraph import compat
+from memory_saving_gradients.tfgraph import gradient_reads
 from memory_saving_gradients.tfgraph import graph_cache
 from memory_saving_gradients.tfgraph import loops
 from memory_saving_gradients.tfgraph import op_kinds
+from memory_saving_gradients.tfgraph import workspace
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,11 +145,14 @@ def build_model(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor]) -> Reading:
     x_names = {x.name for x in xs}
     graph, tensors, pinned, op_outputs = nx.DiGraph(), {}, set(), {}
     other_bytes = 0
+    region = frozenset(o.name for op in units for o in op.outputs)
+    backprop = {"grad_reads": {}, "workspace": {}, "weight_grad_bytes": {}}
     for op in units:
         outs = [o for o in op.outputs if o.name in activations]
         if not outs:
             other_bytes += sum(op_kinds.tensor_bytes(o) for o in op.outputs)
             continue
+        _record_backprop(op, inputs[op], activations, region, backprop)
         recomputable = op_kinds.is_recomputable(op, rerunnable)
         cost = op_kinds.op_cost(op)
         op_outputs[op.name] = tuple(o.name for o in outs)
@@ -169,6 +174,23 @@ def build_model(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor]) -> Reading:
         graph=graph, tensors=tensors, pinned=frozenset(pinned),
         order=tuple(n for op in units for n in op_outputs.get(op.name, ())),
         ys=tuple(y.name for y in ys if y.name in activations),
-        op_outputs=op_outputs, other_bytes=other_bytes, num_region_ops=len(ops))
-    return Reading(model=model, region=frozenset(o.name for op in units for o in op.outputs),
+        op_outputs=op_outputs, other_bytes=other_bytes, num_region_ops=len(ops), **backprop)
+    return Reading(model=model, region=region,
                    op_inputs={op.name: tuple(i.name for i in inputs[op]) for op in units})
+
+
+def _record_backprop(op, op_inputs, activations, region, backprop):
+    """What `op`'s gradient reads, allocates besides its results, sends to weights."""
+    if op.type in ("Exit", "RefExit"):
+        read = [t.name for t in op_inputs]  # a v1 loop: assume it reads all it took in
+        scratch = 0
+    else:
+        reads = gradient_reads.gradient_reads(op)
+        read = ([op.inputs[i].name for i in reads.inputs]
+                + [op.outputs[i].name for i in reads.outputs])
+        scratch = reads.scratch_bytes
+    backprop["grad_reads"][op.name] = tuple(n for n in read if n in activations)
+    backprop["workspace"][op.name] = scratch + workspace.gradient_workspace_bytes(op)
+    backprop["weight_grad_bytes"][op.name] = sum(
+        op_kinds.tensor_bytes(t) for t in op_inputs
+        if t.name in region and t.name not in activations and t.dtype.is_floating)

@@ -6,8 +6,10 @@ op. Backprop runs in three phases:
 1. to the checkpoints: the stock tf.gradients from the ys through the
    original ops, stopping at the checkpoints;
 2. level by level, last level first: copy the level's segment so it runs once
-   the gradient reaches it, differentiate the copies, and send the partial
-   gradients on to the checkpoints, weights and xs the copies read;
+   the gradient reaches it and the previous phase has made all its gradients
+   (weight gradients included, so its recomputed tensors are free, whatever
+   the executor's thread count), differentiate the copies, and send the
+   partial gradients on to the checkpoints, weights and xs the copies read;
 3. to the xs: the weights' partial gradients (region tensors that depend only
    on xs) through the original ops, in one call.
 
@@ -77,6 +79,9 @@ class _Backprop:
         self._boundary = copying.Boundary(reading, plan.kept, xs, graph)
         self._ledger = GradientLedger()
         self._seeds = {}  # checkpoint -> its full gradient
+        # The gradients the last phase returned: once they all exist, its
+        # gradient ops have run and its recomputed tensors are free.
+        self._released = []
 
     def to_checkpoints(self, ys, grad_ys) -> None:
         """Phase 1: from the ys through the original ops, down to the checkpoints."""
@@ -84,7 +89,7 @@ class _Backprop:
         # source (an x given twice, or an x that is also a checkpoint), and
         # every answer would be collected as one more partial gradient.
         sources = list({t.name: t for t in self._kept + self._xs}.values())
-        self._differentiate(sources, ys, grad_ys, self._kept)
+        self._released = self._differentiate(sources, ys, grad_ys, self._kept)
 
     def through_level(self, number: int, level: Level) -> None:
         """Phase 2, one level: recompute its segment and differentiate it."""
@@ -96,7 +101,7 @@ class _Backprop:
             if settled.unsent is not None:
                 unsent[c] = settled.unsent
         with self._graph.name_scope(f"recompute_{number}"):
-            copies = self._through_copies(level)
+            copies, released = self._through_copies(level)
             kept = [self._graph.get_tensor_by_name(c) for c in level.checkpoints
                     if c in unsent and c not in copies]
             kept = [t for t in kept if _differentiable(t)]
@@ -104,21 +109,23 @@ class _Backprop:
                 # Roots that cannot be recomputed (stateful, control flow):
                 # differentiate the original ops.
                 read = self._inputs_of(kept)
-                self._differentiate(read, kept, [unsent[t.name] for t in kept], read)
+                released += self._differentiate(read, kept, [unsent[t.name] for t in kept], read)
+        self._released = released or self._released
 
-    def _through_copies(self, level: Level) -> dict:
+    def _through_copies(self, level: Level) -> tuple:
+        """Copies and differentiates the level; returns (copies, gradients made)."""
         stubs = {}
-        # Numeric ones only: a loop's TensorList gradient is a variant.
-        arrived = [self._seeds[c] for c in level.checkpoints if c in self._seeds
-                   and copying.is_numeric(copying.gradient_values(self._seeds[c]).dtype)]
-        copies = copying.copy_level(self._graph, level, self._seeds,
-                                    lambda t: self._boundary.stub(t, stubs, arrived))
+        arrived = [self._seeds[c] for c in level.checkpoints if c in self._seeds]
+        level_gate = copying.gate(arrived + self._released) if level.copy_ops else None
+        copies = copying.copy_level(self._graph, level, self._seeds, level_gate,
+                                    lambda t: self._boundary.stub(t, stubs, level_gate))
         roots = [c for c in level.checkpoints if c in copies and c in self._seeds]
-        if roots:
-            mapped = [copies.get(s.name, s) for s in self._stops]
-            self._differentiate(list(stubs.values()), [copies[c] for c in roots],
-                                [self._seeds[c] for c in roots], mapped, names=list(stubs))
-        return copies
+        if not roots:
+            return copies, []
+        mapped = [copies.get(s.name, s) for s in self._stops]
+        return copies, self._differentiate(
+            list(stubs.values()), [copies[c] for c in roots],
+            [self._seeds[c] for c in roots], mapped, names=list(stubs))
 
     def to_xs(self) -> None:
         """Phase 3: the weights' partial gradients to the xs, in one pass."""
@@ -139,8 +146,10 @@ class _Backprop:
             results.append(grad)
         return results
 
-    def _differentiate(self, sources, targets, seeds, stops, names=None):
-        """Stock tf.gradients of `targets` to `sources`; records the parts."""
+    def _differentiate(self, sources, targets, seeds, stops, names=None) -> list:
+        """Stock tf.gradients of `targets` to `sources`; records the parts.
+
+        Returns the gradients it made (those that are not None)."""
         calls = {t.op for t in stops + self._stops if _is_function_call(t.op)}
         # A call at a stop is differentiated anyway, by SymbolicGradient, which
         # fails at run time on a function holding a loop; left out of our
@@ -164,6 +173,7 @@ class _Backprop:
             if g is not None:
                 sent = bool(through) and self._graph.get_tensor_by_name(name).op in through
                 self._ledger.add(name, g, sent=sent)
+        return [g for g in grads if g is not None]
 
     def _inputs_of(self, kept) -> list:
         """The tensors to differentiate kept roots to: what their ops read.

@@ -1,0 +1,138 @@
+"""Keras `model.fit` with the Checkpointing callback against stock `fit`: peak memory and time.
+
+Each (model, method) runs in a fresh process (peak statistics only go up in
+a process). A measuring callback resets the CPU allocator's statistics before
+every training batch and reads the peak after it; batches after the first
+(which traces) give the peak and the median step time. The planner's promise
+for the same train step is read from the plan `gradients` logs while Keras
+traces it.
+
+    python -m benchmarks.keras_fit                    # both models: 10-40 min on 2 shared cores
+    python -m benchmarks.keras_fit --models cnn --steps 4
+
+Writes benchmarks/results/keras_fit.json and prints a table.
+"""
+
+import argparse
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+
+from examples import keras_models
+
+METHODS = {"fit": None, "fit + Checkpointing(memory)": "memory",
+           "fit + Checkpointing(speed)": "speed",
+           # The same step without the tape: gradients(memory) called directly, to show
+           # what the integration costs (nothing, if it equals Checkpointing(memory)).
+           "fit, train_step calling gradients(memory)": "direct"}
+MODELS = ("cnn", "bert")
+RESULTS = os.path.join(os.path.dirname(__file__), "results", "keras_fit.json")
+
+
+def build(name):
+    """The model and one batch: MobileNetV2 (batch norm) or a BERT-like encoder."""
+    import keras
+    import numpy as np
+    keras.utils.set_random_seed(0)
+    rng = np.random.RandomState(0)
+    if name == "cnn":
+        model = keras_models.mobilenet(size=96)
+        x = rng.rand(32, 96, 96, 3).astype("float32")
+    else:
+        model = keras_models.bert_like(vocab=1000, width=128, layers=4)
+        x = rng.randint(1, 1000, (16, 128))
+    y = rng.randint(0, 4, len(x))
+    model.compile(optimizer="adam",
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model, x, y
+
+
+def measure(model_name, checkpoints, steps):
+    """Runs in the child process: fit `steps` batches; returns one result row."""
+    import memory_saving_gradients as msg
+    msg.enable_cpu_allocator_stats()
+    import numpy as np
+    import memory_saving_gradients.keras as msg_keras
+    plans = []
+    handler = logging.Handler()
+    handler.emit = lambda record: plans.append(record.getMessage())
+    logging.getLogger("memory_saving_gradients").addHandler(handler)
+    logging.getLogger("memory_saving_gradients").setLevel(logging.INFO)
+
+    model, x, y = build(model_name)
+    if checkpoints == "direct":
+        object.__setattr__(model, "train_step", _direct_train_step(model))
+    meter = keras_models.step_meter()
+    callbacks = [meter] + ([msg_keras.Checkpointing(checkpoints)]
+                           if checkpoints in ("memory", "speed") else [])
+    model.fit(np.concatenate([x] * steps), np.concatenate([y] * steps), batch_size=len(x),
+              epochs=1, verbose=0, shuffle=False, callbacks=callbacks)
+    peak, step_s = meter.summary()
+    simulated = [float(m) / 100 for p in plans
+                 for m in re.findall(r"tf\.gradients \((\d+)%\)", p)]
+    return {"peak_mib": peak / 2**20, "step_s": step_s,
+            "grad_mib": sum(w.numpy().nbytes for w in model.trainable_weights) / 2**20,
+            "simulated_ratio": simulated[-1] if simulated else None}
+
+
+def _direct_train_step(model):
+    """Keras's train step, with gradients(memory) in place of the tape."""
+    import memory_saving_gradients as msg
+
+    def train_step(data):
+        x, y = data
+        loss = model.compute_loss(x=x, y=y, y_pred=model(x, training=True))
+        weights = model.trainable_weights
+        grads = msg.gradients(loss, weights, checkpoints="memory")
+        model.optimizer.apply_gradients(zip(grads, weights))
+        return {"loss": loss}
+    return train_step
+
+
+def run_child(model_name, method, steps):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+         os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-m", "benchmarks.keras_fit", "--child", model_name,
+                          method, "--steps", str(steps)], env=env, capture_output=True,
+                         text=True, timeout=900, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--methods", default=";".join(METHODS),
+                        help="';'-separated; ratios are against the first")
+    parser.add_argument("--out", default=RESULTS)
+    parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(measure(args.child[0], METHODS[args.child[1]], args.steps)))
+        return
+    rows = []
+    for model_name in args.models.split(","):
+        stock = None
+        for method in args.methods.split(";"):
+            row = {"model": model_name, "method": method,
+                   **run_child(model_name, method, args.steps)}
+            stock = stock or row
+            # Activation memory: the step's peak less the weights' gradients it outputs.
+            row["activation_ratio"] = ((row["peak_mib"] - row["grad_mib"])
+                                       / (stock["peak_mib"] - stock["grad_mib"]))
+            row["time_ratio"] = row["step_s"] / stock["step_s"]
+            rows.append(row)
+            print(f"{model_name:5} {method:28} peak {row['peak_mib']:7.1f} MiB "
+                  f"activations x{row['activation_ratio']:.2f} (planner "
+                  f"{row['simulated_ratio'] if row['simulated_ratio'] is not None else '-'}) "
+                  f"step {row['step_s']:.3f} s x{row['time_ratio']:.2f}", flush=True)
+    with open(args.out, "w", encoding="utf-8") as f:
+        json.dump({"rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

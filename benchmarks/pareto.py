@@ -1,0 +1,107 @@
+"""Memory versus time under budgets: the Pareto curve of `budget`, one PNG per model.
+
+    python -m benchmarks.pareto --models mlp,resnet [--points 6]
+
+For each model (its quick size and batch, to keep runs short), in this one
+process: tf.gradients, then budgets swept from the smallest feasible one (the
+'memory' plan's predicted peak) to tf.gradients' predicted activation memory,
+and tf.recompute_grad, ours('memory') and ours('speed') as single points.
+Each method's step is called alternately with tf.gradients' step
+(`worker.side_by_side`): activation memory = median allocator peak minus
+weight-gradient bytes, time = median step time over tf.gradients'.
+Writes benchmarks/results/pareto_<model>.json and .png.
+"""
+
+import argparse
+import json
+import os
+
+from benchmarks import worker
+from benchmarks.methods import BASELINE, METHODS, OursBudget
+from benchmarks.models import FAMILIES
+
+RESULTS = os.path.join(os.path.dirname(__file__), "results")
+POINTS = ("tf.recompute_grad", "ours(memory)", "ours(speed)")
+
+
+def measure_method(method, model, inputs, labels, baseline_step):
+    """One point: activation bytes, time ratio and the method's trace-time info."""
+    row = {"method": method.name}
+    step = worker.traced_step(method, model, inputs, labels, row)
+    _, grads = step(inputs, labels)
+    weight_bytes = worker.grad_bytes(grads)
+    calls = worker.side_by_side(step, baseline_step, inputs, labels,
+                                {"steps": 5, "time_budget_s": 3.0})
+    worker._medians(calls["step"], "", row)  # pylint: disable=protected-access
+    worker._medians(calls["twin"], "twin_", row)  # pylint: disable=protected-access
+    row.update(activation_bytes=row["peak_bytes"] - weight_bytes,
+               twin_activation_bytes=row["twin_peak_bytes"] - weight_bytes,
+               time_ratio=row["step_s"] / row["twin_step_s"])
+    return {k: v for k, v in row.items() if not k.endswith("step_times")}
+
+
+def measure_model(name, points):
+    import tensorflow as tf
+    family = FAMILIES[name]
+    job = {"family": name, "size": family.quick_sizes[0], "method": BASELINE}
+    family, options, baseline, model = worker.build(job)
+    inputs, labels = (tf.constant(a) for a in family.data(family.quick_batch, **options))
+    baseline_step = worker.traced_step(baseline, model, inputs, labels, {})
+    baseline_step(inputs, labels)
+    rows = [measure_method(METHODS[m](), model, inputs, labels, baseline_step)
+            for m in POINTS]
+    floor = next(r["simulated_ratio"] for r in rows if r["method"] == "ours(memory)")
+    shares = [floor + (1 - floor) * i / (points - 1) for i in range(points)]
+    shares[0] *= 1.001  # the smallest feasible budget, above rounding
+    rows += [measure_method(OursBudget(s), model, inputs, labels, baseline_step)
+             for s in shares]
+    return {"model": name, "size": job["size"], "batch": family.quick_batch, "rows": rows}
+
+
+def plot(result, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = result["rows"]
+    budgets = sorted((r for r in rows if "budget_bytes" in r), key=lambda r: r["budget_bytes"])
+    ratio = [r["activation_bytes"] / r["twin_activation_bytes"] for r in budgets]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
+    left.plot([r["time_ratio"] for r in budgets], ratio, "o-", color="crimson",
+              label="ours(budget), swept")
+    left.plot([1], [1], "ks", label=BASELINE)
+    for r, look in zip([r for r in rows if r["method"] in POINTS], ("^", "D", "v")):
+        left.plot([r["time_ratio"]], [r["activation_bytes"] / r["twin_activation_bytes"]],
+                  look, markersize=9, label=r["method"])
+    left.set(xlabel="step time / tf.gradients'", ylabel="activation memory / tf.gradients'",
+             title=f"{result['model']} ({result['size']} blocks, batch {result['batch']})")
+    left.legend(fontsize=8)
+    mib = [r["budget_bytes"] / 2**20 for r in budgets]
+    right.plot(mib, [r["activation_bytes"] / 2**20 for r in budgets], "o-", color="crimson",
+               label="measured")
+    right.plot(mib, mib, "k--", label="budget")
+    right.plot(mib, [1.15 * m for m in mib], "k:", label="budget + 15%")
+    right.set(xlabel="budget (MiB, predicted activation memory)",
+              ylabel="measured activation memory (MiB)", title="budgets met?")
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="mlp,resnet,bert,rnn")
+    parser.add_argument("--points", type=int, default=6)
+    args = parser.parse_args()
+    import memory_saving_gradients as msg
+    msg.enable_cpu_allocator_stats()
+    for name in args.models.split(","):
+        result = measure_model(name, args.points)
+        base = os.path.join(RESULTS, f"pareto_{name}")
+        with open(base + ".json", "w") as f:
+            json.dump(result, f, indent=1)
+        plot(result, base + ".png")
+        print(f"wrote {base}.png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,290 @@
+"""The simulator's predicted peak beside the allocator's measured peak.
+
+    python -m benchmarks.predicted_vs_measured [--models a,b] [--threads default,1]
+
+For each model and threading a fresh subprocess builds the model and, for
+each method (tf.gradients, "memory", "speed") in turn, traces one training
+step (forward and gradients in one tf.function, batch 8 for the image
+models), takes the prediction of `checkpoint_plan` from the same trace, and
+measures the step's allocator peak (`function_peak_bytes`: statistics reset
+before each call; median of 3 calls after 2 warm-ups) minus the weight
+gradients it returns: activation memory, as predicted.
+With `--threads 1` the subprocess runs TensorFlow with one inter-op thread.
+Results go to results/predicted_vs_measured.{jsonl,md}; the small models
+(`SMALL_MODELS`) are the ones tests/test_memory_model.py measures.
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+
+RESULTS = pathlib.Path(__file__).parent / "results"
+METHODS = ("tf.gradients", "memory", "speed")
+IMAGE_BATCH = 8
+
+
+def keras_application(name, pixels):
+    """(model, data) builders for a keras.applications model, weights=None."""
+    def build():
+        import keras
+        return getattr(keras.applications, name)(
+            weights=None, input_shape=(pixels, pixels, 3), classes=10)
+    return build, _image_data(pixels)
+
+
+def unet(pixels=64, depth=3, width=16):
+    """The classic concatenating U-Net (conv-BN-ReLU twice per stage)."""
+    def build():
+        import keras
+        layers = keras.layers
+
+        def stage(h, channels):
+            for _ in range(2):
+                h = layers.Conv2D(channels, 3, padding="same")(h)
+                h = layers.ReLU()(layers.BatchNormalization()(h))
+            return h
+
+        inputs = keras.Input((pixels, pixels, 3))
+        skips, h = [], inputs
+        for level in range(depth):
+            h = stage(h, width << level)
+            skips.append(h)
+            h = layers.MaxPooling2D()(h)
+        h = stage(h, width << depth)
+        for level in reversed(range(depth)):
+            h = layers.Conv2DTranspose(width << level, 2, strides=2)(h)
+            h = stage(layers.Concatenate()([h, skips[level]]), width << level)
+        h = layers.GlobalAveragePooling2D()(layers.Conv2D(10, 1)(h))
+        return keras.Model(inputs, h)
+    return build, _image_data(pixels)
+
+
+def _image_data(pixels, batch=IMAGE_BATCH):
+    def data():
+        import numpy as np
+        rng = np.random.default_rng(0)
+        return (rng.normal(size=(batch, pixels, pixels, 3)).astype(np.float32),
+                rng.integers(0, 10, size=batch).astype(np.int32))
+    return data
+
+
+def family_model(name, size):
+    """A benchmarks.models family at one depth, as a Keras-like callable."""
+    def build():
+        from benchmarks.models import FAMILIES
+        family = FAMILIES[name]
+        model = family.build(size, **family.options)
+        inputs, labels = family.data(1, **family.options)
+        model.forward(inputs, labels, training=False)  # weights, outside tf.function
+        return model
+
+    def data():
+        from benchmarks.models import FAMILIES
+        family = FAMILIES[name]
+        return family.data(family.batch, **family.options)
+    return build, data
+
+
+def small_cnn(pixels=32, blocks=8, channels=16, batch=32):
+    """Conv-BN-ReLU blocks: a CNN with batch norm, small enough for tests."""
+    def build():
+        import keras
+        layers = [keras.Input((pixels, pixels, 3))]
+        for _ in range(blocks):
+            layers += [keras.layers.Conv2D(channels, 3, padding="same"),
+                       keras.layers.BatchNormalization(), keras.layers.ReLU()]
+        layers += [keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(10)]
+        return keras.Sequential(layers)
+    return build, _image_data(pixels, batch)
+
+
+def transformer_block(seq=64, hidden=64, heads=4, batch=8):
+    """One pre-norm transformer encoder block (attention and FFN) and a head."""
+    def build():
+        import keras
+        inputs = keras.Input((seq, hidden))
+        h = keras.layers.LayerNormalization()(inputs)
+        h = inputs + keras.layers.MultiHeadAttention(heads, hidden // heads)(h, h)
+        f = keras.layers.Dense(4 * hidden, activation="gelu")(keras.layers.LayerNormalization()(h))
+        h = h + keras.layers.Dense(hidden)(f)
+        return keras.Model(inputs, keras.layers.Dense(10)(keras.layers.GlobalAveragePooling1D()(h)))
+    return build, _sequence_data(batch, seq, hidden)
+
+
+def small_lstm(steps=16, features=32, units=64, batch=64):
+    """Two stacked LSTM layers and a head."""
+    def build():
+        import keras
+        return keras.Sequential([keras.Input((steps, features)),
+                                 keras.layers.LSTM(units, return_sequences=True),
+                                 keras.layers.LSTM(units), keras.layers.Dense(10)])
+    return build, _sequence_data(batch, steps, features)
+
+
+def _sequence_data(batch, steps, features):
+    def data():
+        import numpy as np
+        rng = np.random.default_rng(0)
+        return (rng.normal(size=(batch, steps, features)).astype(np.float32),
+                rng.integers(0, 10, size=batch).astype(np.int32))
+    return data
+
+
+# Small models for the tests (tests/test_memory_model.py).
+SMALL_MODELS = {"cnn_bn": small_cnn(), "transformer": transformer_block(),
+                "lstm": small_lstm()}
+MODELS = {**SMALL_MODELS,
+    "mlp": family_model("mlp", 16), "resnet": family_model("resnet", 9),
+    "bert": family_model("bert", 2), "rnn": family_model("rnn", 2),
+    "MobileNetV2": keras_application("MobileNetV2", 64),
+    "EfficientNetB0": keras_application("EfficientNetB0", 64),
+    "DenseNet121": keras_application("DenseNet121", 64),
+    "ResNet50": keras_application("ResNet50", 64),
+    "unet": unet(),
+}
+
+
+def loss_and_weights(model, inputs, labels):
+    """The training loss and the weights of a Keras model or a benchmark family."""
+    import tensorflow as tf
+    if hasattr(model, "forward"):
+        return model.forward(inputs, labels), model.weights
+    logits = model(inputs, training=True)
+    loss = tf.reduce_mean(tf.keras.losses.sparse_categorical_crossentropy(
+        labels, logits, from_logits=True))
+    return loss, model.trainable_weights
+
+
+def measure(model_name, methods, threads):
+    """Rows (one per method): predicted and measured activation bytes.
+
+    Measured in this process, one method after the other, each step traced
+    and warmed up before its peaks are taken (the statistics are reset per
+    call), on the same model and batch.
+    """
+    import tensorflow as tf
+    if threads == "1":
+        tf.config.threading.set_inter_op_parallelism_threads(1)
+    build, data = MODELS[model_name]
+    model = build()
+    inputs, labels = (tf.constant(a) for a in data())
+    rows = [_measure_method(model, inputs, labels, method) for method in methods]
+    return [{"model": model_name, "threads": threads, **row} for row in rows]
+
+
+def _measure_method(model, inputs, labels, method):
+    import tensorflow as tf
+    import memory_saving_gradients as msg
+    found = {}
+
+    @tf.function
+    def step(inputs, labels):
+        loss, weights = loss_and_weights(model, inputs, labels)
+        plan = msg.checkpoint_plan(loss, weights, "memory" if method == METHODS[0] else method)
+        found["plan"] = plan
+        if method == METHODS[0]:
+            return tf.gradients(loss, weights)
+        return msg.gradients(loss, weights, checkpoints=method)
+
+    step(inputs, labels), step(inputs, labels)
+    peaks = [msg.function_peak_bytes(step, inputs, labels)[0] for _ in range(3)]
+    weights = loss_and_weights_bytes(found["plan"])
+    est = found["plan"].estimate
+    predicted = est.baseline_bytes if method == METHODS[0] else est.peak_bytes
+    return {"method": method, "predicted": int(predicted),
+            "measured": int(statistics.median(peaks)) - weights,
+            "measured_all": [int(p) - weights for p in peaks]}
+
+
+def loss_and_weights_bytes(plan):
+    """Bytes of the weight gradients the step returns (what the model sends to weights)."""
+    return sum(plan.model.weight_grad_bytes.values())
+
+
+def run_job(model_name, methods, threads, timeout=900):
+    """Runs `measure` in a fresh subprocess; returns its rows (or error rows)."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", TF_CPU_ALLOCATOR_USE_BFC="1")
+    command = [sys.executable, "-m", "benchmarks.predicted_vs_measured", "--job",
+               json.dumps([model_name, list(methods), threads])]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
+                              env=env, check=False, cwd=pathlib.Path(__file__).parent.parent)
+        lines = [line for line in done.stdout.splitlines() if line.startswith("[")]
+        if lines:
+            return json.loads(lines[-1])
+        error = done.stderr.strip().splitlines()[-1:] or ["no output"]
+    except subprocess.TimeoutExpired:
+        error = [f"timed out after {timeout} s"]
+    return [{"model": model_name, "method": m, "threads": threads, "error": error[0]}
+            for m in methods]
+
+
+def write_table(rows, path):
+    """Markdown: predicted beside measured MiB, then the memory ratios per threading."""
+    lines = ["| model | method | threads | predicted MiB | measured MiB | predicted/measured |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['model']} | {r['method']} | {r['threads']} | error: "
+                         f"{r['error'][:80]} | | |")
+            continue
+        lines.append(f"| {r['model']} | {r['method']} | {r['threads']} | "
+                     f"{r['predicted'] / 2**20:.1f} | {r['measured'] / 2**20:.1f} | "
+                     f"{r['predicted'] / max(r['measured'], 1):.2f} |")
+    path.write_text("\n".join(lines + [""] + ratio_lines(rows)) + "\n")
+
+
+def ratio_lines(rows):
+    """Markdown: measured activation memory of each mode / tf.gradients', per threading."""
+    measured = {(r["model"], r["method"], r["threads"]): r["measured"]
+                for r in rows if "error" not in r}
+    lines = ["| model | mode | default threads | 1 inter-op thread | difference |",
+             "|---|---|---|---|---|"]
+    for model in dict.fromkeys(r["model"] for r in rows):
+        for mode in METHODS[1:]:
+            ratios = [measured.get((model, mode, t), 0) / measured[model, METHODS[0], t]
+                      if measured.get((model, METHODS[0], t)) else None
+                      for t in ("default", "1")]
+            if None in ratios or 0 in ratios:
+                continue
+            lines.append(f"| {model} | {mode} | {ratios[0]:.2f} | {ratios[1]:.2f} | "
+                         f"{abs(ratios[0] - ratios[1]):.2f} |")
+    return lines
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(m for m in MODELS if m not in SMALL_MODELS))
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--threads", default="default,1")
+    parser.add_argument("--out", default="predicted_vs_measured")
+    parser.add_argument("--report", action="store_true",
+                        help="only rewrite the .md table from the .jsonl rows")
+    parser.add_argument("--job", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.job:
+        print(json.dumps(measure(*json.loads(args.job))), flush=True)
+        return
+    if args.report:
+        rows = [json.loads(line) for line in (RESULTS / f"{args.out}.jsonl").open()]
+        write_table(rows, RESULTS / f"{args.out}.md")
+        return
+    RESULTS.mkdir(exist_ok=True)
+    rows = []
+    jsonl = RESULTS / f"{args.out}.jsonl"
+    for model_name in args.models.split(","):
+        for threads in args.threads.split(","):
+            for row in run_job(model_name, args.methods.split(","), threads):
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                with jsonl.open("a") as f:
+                    f.write(json.dumps(row) + "\n")
+    write_table(rows, RESULTS / f"{args.out}.md")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""The cut model: the planner's graph seen as cuts of one topological order.
+
+No TensorFlow. Ops are numbered in a topological order. A *cut* at position p
+separates ops 0..p from the ops after p; the tensors alive across it (made at
+or before p, read after p) are kept as checkpoints. A set of cuts splits the
+order into intervals; backprop walks them last to first:
+
+* the *tail* (after the last cut) is differentiated from the forward pass's
+  own tensors, as tf.gradients would;
+* every other interval is recomputed from the checkpoints before it, so its
+  ops that are not kept are run again, and their outputs are alive together.
+
+So for cuts P, with kept = bytes of every tensor alive across a cut, plus the
+tensors that are always kept (pinned: stateful or control flow; and the ys):
+
+    peak(P)      = kept + max(bytes recomputed in one interval, bytes of the tail)
+    recompute(P) = cost of the ops recomputed, summed over the intervals
+
+Every graph has such cuts, with or without single-tensor bottlenecks. Both
+terms decompose over consecutive cuts, which is what lets `solvers` search
+the plans exactly. `evaluate` is the definition; the solvers must agree with it.
+"""
+
+import dataclasses
+
+import numpy as np
+
+from memory_saving_gradients.core.model import GraphModel
+
+
+@dataclasses.dataclass(frozen=True)
+class CutProblem:
+    """Ops in topological order, as arrays indexed by position.
+
+    Attributes:
+      ops: op names in order.
+      op_bytes: activation bytes each op outputs.
+      op_cost: cost (FLOPs) of rerunning each op.
+      last_use: position of each op's last reader; len(ops) if it is alive
+        to the end (a y).
+      always_kept: ops whose outputs are kept whatever the cuts (pinned, ys).
+      cuts: candidate cut positions, ascending; a cut at p lies after op p.
+    """
+    ops: tuple
+    op_bytes: np.ndarray
+    op_cost: np.ndarray
+    last_use: np.ndarray
+    always_kept: np.ndarray
+    cuts: np.ndarray
+
+    @property
+    def fixed_bytes(self) -> int:
+        """Bytes kept whatever the plan."""
+        return int(self.op_bytes[self.always_kept].sum())
+
+    @property
+    def baseline_bytes(self) -> int:
+        """Peak with no cut: every activation alive, as with tf.gradients."""
+        return int(self.op_bytes.sum())
+
+
+def from_model(model: GraphModel, max_cuts=None, cut_after=None) -> CutProblem:
+    """The cut problem of a core GraphModel (one entry per op of `model.order`).
+
+    `max_cuts` limits the candidate cuts (all op boundaries when None): the
+    order is split into that many windows of equal activation bytes, and the
+    cheapest position of each (fewest bytes alive across it) is a candidate.
+    `cut_after(op_type)`: ops after which a cut is always a candidate.
+    """
+    tensors = model.tensors
+    ops = tuple(dict.fromkeys(tensors[n].op for n in model.order))
+    position = {op: i for i, op in enumerate(ops)}
+    end = len(ops)
+    op_bytes = np.zeros(end, np.int64)
+    op_cost = np.zeros(end, np.float64)
+    last_use = np.arange(end, dtype=np.int64)
+    always = np.zeros(end, bool)
+    ys, pinned = set(model.ys), model.pinned
+    for name in model.order:
+        i = position[tensors[name].op]
+        op_bytes[i] += tensors[name].bytes
+        op_cost[i] = tensors[name].cost
+        readers = [position[tensors[s].op] for s in model.graph.successors(name)]
+        last_use[i] = max([last_use[i], *readers, end if name in ys else 0])
+        always[i] |= name in pinned or name in ys
+    problem = make_problem(ops, op_bytes, op_cost, last_use, always, max_cuts)
+    if cut_after is None:
+        return problem
+    wanted = [i for i, op in enumerate(ops[:-1])
+              if cut_after(tensors[model.op_outputs[op][0]].op_type)]
+    return dataclasses.replace(problem, cuts=np.union1d(problem.cuts, wanted).astype(np.int64))
+
+
+def make_problem(ops, op_bytes, op_cost, last_use, always_kept, max_cuts=None) -> CutProblem:
+    """A CutProblem from plain sequences; candidate cuts as in `from_model`."""
+    op_bytes = np.asarray(op_bytes, np.int64)
+    last_use = np.asarray(last_use, np.int64)
+    always_kept = np.asarray(always_kept, bool)
+    positions = np.arange(max(len(ops) - 1, 0))
+    if max_cuts is not None and len(positions) > max_cuts:
+        positions = _cheapest_cuts(op_bytes, last_use, always_kept, max_cuts)
+    return CutProblem(tuple(ops), op_bytes, np.asarray(op_cost, np.float64), last_use,
+                      always_kept, positions)
+
+
+def live_bytes(op_bytes, last_use, always_kept):
+    """Bytes alive across each cut position (not counting always-kept ops). O(n)."""
+    end = len(op_bytes)
+    delta = np.zeros(end + 1, np.int64)
+    free = np.where(always_kept, 0, op_bytes)
+    np.add.at(delta, np.arange(end), free)
+    np.add.at(delta, np.minimum(last_use, end), -free)
+    return np.cumsum(delta)[:max(end - 1, 0)]
+
+
+def _cheapest_cuts(op_bytes, last_use, always_kept, count):
+    """The cheapest cut in each of `count` windows of equal activation bytes."""
+    live = live_bytes(op_bytes, last_use, always_kept)
+    made = np.cumsum(np.maximum(op_bytes, 1))[:len(live)]
+    window = np.minimum((made * count) // (made[-1] + 1), count - 1)
+    starts = np.flatnonzero(np.diff(window, prepend=-1))
+    return np.array([s + int(np.argmin(part)) for s, part in
+                     zip(starts, np.split(live, starts[1:]))], np.int64)
+
+
+@dataclasses.dataclass(frozen=True)
+class Cost:
+    """What the cut model predicts for one set of cuts."""
+    kept_ops: frozenset
+    peak_bytes: int
+    recompute: float
+
+
+def evaluate(problem: CutProblem, cuts) -> Cost:
+    """The cut model's peak and recompute for `cuts` (positions), by definition.
+
+    Direct and O(n log n): the reference the solvers are tested against.
+    """
+    cuts = np.unique(np.asarray(cuts, np.int64))
+    end = len(problem.ops)
+    pos = np.arange(end)
+    free = ~problem.always_kept
+    # The first cut at or after each op closes its interval (len(cuts): tail).
+    closing = np.searchsorted(cuts, pos, side="left")
+    closes_at = np.append(cuts, end)[closing]
+    kept = free & (closing < len(cuts)) & (problem.last_use > closes_at)
+    recomputed = free & ~kept & (closing < len(cuts))
+    tail = free & (closing == len(cuts))
+    segments = np.bincount(closing[recomputed], problem.op_bytes[recomputed],
+                           minlength=len(cuts) + 1)
+    largest = max(float(segments.max(initial=0)), float(problem.op_bytes[tail].sum()))
+    peak = problem.fixed_bytes + int(problem.op_bytes[kept].sum()) + int(largest)
+    return Cost(kept_ops=frozenset(problem.ops[i] for i in np.flatnonzero(kept)),
+                peak_bytes=peak, recompute=float(problem.op_cost[recomputed].sum()))

@@ -1,0 +1,254 @@
+"""Timeline: predict the memory and recompute cost of backprop, as TensorFlow runs it.
+
+No TensorFlow. The simulator replays one training step op by op: the forward
+pass, then backprop phase by phase (the tail from the ys down to the last
+checkpoints, then each level of the plan: its copies in topological order,
+then its gradient ops in reverse). Every tensor is allocated when its op
+runs and freed after its last reader, as TensorFlow's executor does; a
+forward tensor's readers include the gradient ops that read it (from
+`model.grad_reads`, learnt from TensorFlow's registered gradients), so only
+what backprop needs is kept. Gradient ops also hold their output gradients
+and their scratch buffers (`model.workspace`) while they run. Ops run one
+at a time, as with one inter-op thread; TensorFlow's default threading runs
+independent ops side by side and measures higher on some models (see
+docs/planner.md).
+
+`predict(model)` prices stock `tf.gradients`; `predict(model, plan)` a plan.
+Both are linear in the size of the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Optional
+
+from memory_saving_gradients.core.model import GraphModel
+from memory_saving_gradients.core.planning import Plan
+
+# Ops whose output shares its input's buffer (TensorFlow forwards it): they
+# allocate nothing, and the input lives as long as the output is read.
+ALIASING_OP_TYPES = frozenset({"Reshape", "Identity", "ExpandDims", "Squeeze",
+                               "StopGradient", "PreventGradient"})
+
+# Keep a forward tensor alive until the end of the step (ys, gradients that
+# nothing consumes): a step number later than any real one.
+_END = float("inf")
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """Predicted cost of a plan, in bytes and FLOPs.
+
+    Attributes:
+      peak_bytes: predicted peak of the step minus the weight gradients it
+        returns: activations, their gradients and scratch buffers (what the
+        benchmarks measure as activation memory).
+      kept_bytes: bytes of all checkpoints.
+      largest_segment_bytes: bytes of the biggest level the plan recomputes.
+      baseline_bytes: `peak_bytes` of stock tf.gradients on the same model.
+      recompute_flops: extra forward work, summed over the copies that run.
+      forward_flops: work of one forward pass over the region, for scale.
+    """
+    peak_bytes: int
+    kept_bytes: int
+    largest_segment_bytes: int
+    baseline_bytes: int
+    recompute_flops: int
+    forward_flops: int
+
+    @property
+    def memory_ratio(self) -> float:
+        """Predicted peak as a fraction of tf.gradients' activation memory."""
+        return self.peak_bytes / max(self.baseline_bytes, 1)
+
+
+def predict(model: GraphModel, plan: Optional[Plan] = None) -> Estimate:
+    """Prices `plan` on `model` (None: stock tf.gradients). O(size of the model).
+
+    Example: on a chain of n tanh ops of b bytes each, stock tf.gradients keeps
+    every output (tanh's gradient reads it), so `predict(model).peak_bytes` is
+    about (n + 2) * b: the outputs plus two gradients in flight.
+    """
+    baseline = _baseline_peak(model)
+    if plan is None:
+        peak, recompute, largest, kept = baseline, 0, 0, 0
+    else:
+        replay = _Replay(model)
+        peak = replay.run(plan.levels)
+        recompute, largest = replay.recompute_flops, replay.largest_level_bytes
+        kept = model.bytes_of(plan.kept)
+    return Estimate(
+        peak_bytes=peak, kept_bytes=kept, largest_segment_bytes=largest,
+        baseline_bytes=baseline, recompute_flops=recompute,
+        forward_flops=sum(model.tensors[outs[0]].cost for outs in model.op_outputs.values()))
+
+
+_BASELINES = {}  # id(model) -> (model, peak): the solver prices many plans per model
+
+
+def _baseline_peak(model):
+    cached = _BASELINES.get(id(model))
+    if cached is None or cached[0] is not model:
+        if len(_BASELINES) > 16:
+            _BASELINES.clear()
+        cached = _BASELINES[id(model)] = (model, _Replay(model).run(()))
+    return cached[1]
+
+
+def op_order(model: GraphModel) -> list:
+    """Op names in topological order (by their first output in `model.order`)."""
+    return list(dict.fromkeys(model.op_of(n) for n in model.order))
+
+
+def gradient_reads(model: GraphModel, op: str) -> tuple:
+    """Activation tensors the gradient of `op` reads.
+
+    Models that do not say (hand-built ones) are assumed to read every
+    activation input and output, as most ops' gradients do.
+    """
+    if op in model.grad_reads:
+        return model.grad_reads[op]
+    return tuple(op_inputs(model, op)) + tuple(model.op_outputs[op])
+
+
+def op_inputs(model: GraphModel, op: str) -> list:
+    """Activation tensors `op` reads, each once."""
+    graph = model.graph
+    return list(dict.fromkeys(p for o in model.op_outputs[op] for p in graph.predecessors(o)))
+
+
+class _Replay:
+    """One replay of the step: intervals of live bytes on a step counter."""
+
+    def __init__(self, model):
+        self.model = model
+        self.tensors = model.tensors
+        self.ys = frozenset(model.ys)
+        self.step = 0
+        self.born = {}      # buffer key -> (first step, bytes)
+        self.last_use = {}  # buffer key -> last step it is read
+        self.transient = []  # (step, bytes) of scratch buffers
+        self.pending = {}   # tensor name -> keys of gradient parts waiting for its op
+        self.alias = {}     # buffer key -> the key whose buffer it shares
+        self.recompute_flops = 0
+        self.largest_level_bytes = 0
+
+    def run(self, levels):
+        """Replays forward and backprop under `levels`; returns the activation peak."""
+        model = self.model
+        order = op_order(model)
+        copied = {op for level in levels for op in level.copy_ops}
+        kept_roots = {model.op_of(c) for level in levels for c in level.checkpoints} - copied
+        for op in order:
+            self._forward(op, lambda t: ("fwd", t), ("fwd",))
+        tail = [op for op in order if op not in copied and op not in kept_roots]
+        self._backward(tail, {})
+        for number in reversed(range(len(levels))):
+            self._level(number, levels[number], kept_roots)
+        return self._peak() - self._weight_grad_bytes()
+
+    def _forward(self, op, source, where):
+        """Runs `op` (an original or a copy): allocates its outputs, reads its inputs."""
+        self.step += 1
+        inputs = op_inputs(self.model, op)
+        for t in inputs:
+            self._use(source(t))
+        aliased = source(inputs[0]) if inputs and self.tensors[
+            self.model.op_outputs[op][0]].op_type in ALIASING_OP_TYPES else None
+        for o in self.model.op_outputs[op]:
+            self._alloc(where + (o,), 0 if aliased else self.tensors[o].bytes)
+            if aliased:
+                self.alias[where + (o,)] = aliased
+            if o in self.ys:
+                self._use(where + (o,))
+                self.last_use[where + (o,)] = _END  # returned or differentiated last
+
+    def _level(self, number, level, kept_roots):
+        """One level: its copies that are needed, then the gradients of its ops."""
+        model = self.model
+        running = _needed_copies(model, level.copy_ops)
+        where = ("copy", number)
+        local = set(o for op in running for o in model.op_outputs[op])
+
+        def source(t):
+            return where + (t,) if t in local else ("fwd", t)
+
+        for op in running:
+            self._forward(op, source, where)
+            self.recompute_flops += self.tensors[model.op_outputs[op][0]].cost
+        self.largest_level_bytes = max(self.largest_level_bytes, model.bytes_of(local))
+        self._backward(level.copy_ops, {op: source for op in level.copy_ops})
+        # Roots that cannot be recomputed are differentiated after the copies.
+        roots = [model.op_of(c) for c in level.checkpoints if model.op_of(c) in kept_roots]
+        self._backward(list(dict.fromkeys(roots)), {})
+
+    def _backward(self, ops, sources):
+        """Runs the gradients of `ops` (topological order) in reverse order."""
+        model = self.model
+        for op in reversed(ops):
+            self.step += 1
+            source = sources.get(op, lambda t: ("fwd", t))
+            for o in model.op_outputs[op]:
+                for key in self.pending.pop(o, ()):
+                    self._use(key)
+            for t in gradient_reads(model, op):
+                self._use(source(t))
+            self.transient.append((self.step, _lookup(model, "workspace", op)))
+            for t in op_inputs(model, op):
+                if self.tensors[t].is_float:
+                    key = ("grad", op, t)
+                    self._alloc(key, self.tensors[t].bytes)
+                    self.pending.setdefault(t, []).append(key)
+            weights = _lookup(model, "weight_grad_bytes", op)
+            if weights:
+                key = ("weights", op)
+                self._alloc(key, weights)
+                self.last_use[key] = _END
+
+    def _alloc(self, key, size):
+        self.born[key] = (self.step, size)
+        self.last_use.setdefault(key, self.step)
+
+    def _use(self, key):
+        while key is not None:
+            if key in self.born and self.last_use[key] != _END:
+                self.last_use[key] = self.step
+            key = self.alias.get(key)
+
+    def _weight_grad_bytes(self):
+        return sum(size for key, (_, size) in self.born.items() if key[0] == "weights")
+
+    def _peak(self):
+        """Max over steps of the bytes alive (difference array, linear)."""
+        end = self.step + 2
+        delta = [0] * (end + 1)
+        for key, (start, size) in self.born.items():
+            stop = self.last_use[key]
+            delta[start] += size
+            delta[end if stop == _END else stop + 1] -= size
+        scratch = [0] * (end + 1)
+        for step, size in self.transient:
+            scratch[step] += size
+        live = itertools.accumulate(delta[:end])
+        return max((bytes_ + extra for bytes_, extra in zip(live, scratch)), default=0)
+
+
+def _lookup(model, field, op):
+    return getattr(model, field).get(op, 0)
+
+
+def _needed_copies(model, copy_ops):
+    """The copies TensorFlow runs: those read by a needed copy or a level gradient.
+
+    A copied matmul whose gradient reads only its inputs, and whose output no
+    other copy reads, is pruned by TensorFlow and never runs.
+    """
+    copy_set = set(copy_ops)
+    read = {t for op in copy_ops for t in gradient_reads(model, op)}
+    needed = []
+    for op in reversed(copy_ops):
+        if any(o in read for o in model.op_outputs[op]):
+            needed.append(op)
+            read.update(t for t in op_inputs(model, op) if model.op_of(t) in copy_set)
+    return needed[::-1]

@@ -1,0 +1,136 @@
+"""Keras `model.fit` with checkpointing: a callback, or enable/disable.
+
+Keras (3, and tf_keras) computes each training step's gradients with a
+GradientTape inside the train function it traces. `enable` wraps the model's
+`train_step` (Keras's own or the user's) so that checkpointing is active while
+that step is traced: the tape hook (integrations/tape.py) answers its
+`tape.gradient` with our rewrite, and `patching.active_checkpoints()` tells
+other integrations which checkpoints apply. The train function is rebuilt so
+Keras traces the wrapped step. Evaluation and prediction are not touched.
+"""
+
+import logging
+
+import tensorflow as tf
+
+from memory_saving_gradients import api
+from memory_saving_gradients.integrations import patching
+
+logger = logging.getLogger("memory_saving_gradients")
+
+_ENABLED = "_memory_saving_gradients_enabled"  # model attribute: what enable replaced
+
+
+class _Replaced:
+    """What `enable` replaced on a model, for `disable` to put back."""
+
+    def __init__(self, checkpoints, own_train_step):
+        self.checkpoints = checkpoints
+        self.own_train_step = own_train_step  # an instance attribute the user set, or None
+        self.by_callback = False  # set by Checkpointing, whose fit may end without on_train_end
+
+
+def check_keras_checkpoints(checkpoints) -> None:
+    """`gradients`' check, plus: Keras steps take a mode, not a list of tensors."""
+    if api.validate_checkpoints(checkpoints) == "list":
+        raise TypeError(
+            f"Keras checkpointing takes a mode ({', '.join(map(repr, api.MODES))}), got "
+            f"{type(checkpoints).__name__}: the tensors of a Keras training step exist only "
+            f"inside the train function Keras traces, so a list cannot name them; use a "
+            f"mode, or memory_saving_gradients.gradients in a custom train_step")
+
+
+def enable(model, checkpoints="memory") -> None:
+    """Makes `model.fit` (and train_on_batch) checkpoint every training step.
+
+    Args:
+      model: a compiled Keras model (Keras 3 or tf_keras).
+      checkpoints: a mode accepted by `gradients` ('memory', 'speed', 'collection').
+
+    Raises:
+      ValueError / TypeError: `checkpoints` is malformed (the error `gradients` gives).
+      RuntimeError: the model is not compiled, or checkpointing is already enabled.
+    """
+    check_keras_checkpoints(checkpoints)
+    if not _is_compiled(model):
+        raise RuntimeError(f"model {model.name!r} is not compiled: call model.compile(...) "
+                           f"before enabling checkpointing")
+    if getattr(model, _ENABLED, None) is not None:
+        raise RuntimeError(
+            f"checkpointing is already enabled on model {model.name!r} (checkpoints="
+            f"{getattr(model, _ENABLED).checkpoints!r}): call "
+            f"memory_saving_gradients.keras.disable(model) first, or pass the Checkpointing "
+            f"callback without calling enable()")
+    step = model.train_step
+
+    @tf.autograph.experimental.do_not_convert
+    def train_step(data):
+        with patching.checkpointing(checkpoints):
+            return step(data)
+
+    replaced = _Replaced(checkpoints, model.__dict__.get("train_step"))
+    object.__setattr__(model, "train_step", train_step)
+    object.__setattr__(model, _ENABLED, replaced)
+    _retrace(model)
+
+
+def disable(model) -> None:
+    """Undoes `enable`; a warning (no error) if checkpointing was not enabled."""
+    replaced = getattr(model, _ENABLED, None)
+    if replaced is None:
+        logger.warning("memory_saving_gradients: checkpointing was not enabled on model "
+                       "%r; nothing to disable", getattr(model, "name", model))
+        return
+    object.__delattr__(model, "train_step")
+    if replaced.own_train_step is not None:
+        object.__setattr__(model, "train_step", replaced.own_train_step)
+    object.__setattr__(model, _ENABLED, None)
+    _retrace(model)
+
+
+def enabled_checkpoints(model):
+    """The checkpoints value `enable` set on `model`, or None."""
+    replaced = getattr(model, _ENABLED, None)
+    return None if replaced is None else replaced.checkpoints
+
+
+def _is_compiled(model) -> bool:
+    # Keras 3 has `compiled`; tf_keras keeps the flag in `_is_compiled`.
+    return bool(getattr(model, "compiled", getattr(model, "_is_compiled", False)))
+
+
+def _retrace(model) -> None:
+    """Makes Keras build (and so trace) a new train function on the next step.
+
+    Inside `fit` the function is already built when callbacks start, so it is
+    rebuilt at once; `fit` reads `model.train_function` at every step.
+    """
+    model.train_function = None
+    model.make_train_function(force=True)
+
+
+class Checkpointing(tf.keras.callbacks.Callback):
+    """Keras callback: every training step of this `fit` checkpoints with `checkpoints`.
+
+    Example:
+      >>> model.fit(x, y, callbacks=[memory_saving_gradients.keras.Checkpointing("memory")])
+
+    Validation and prediction run as without it. An unknown mode fails here,
+    with the error `gradients` gives.
+    """
+
+    def __init__(self, checkpoints="memory"):
+        super().__init__()
+        check_keras_checkpoints(checkpoints)
+        self.checkpoints = checkpoints
+
+    def on_train_begin(self, logs=None):
+        left = getattr(self.model, _ENABLED, None)
+        if left is not None and left.by_callback:
+            # A fit that raised skips on_train_end: that callback's enable is undone here.
+            disable(self.model)
+        enable(self.model, self.checkpoints)
+        getattr(self.model, _ENABLED).by_callback = True
+
+    def on_train_end(self, logs=None):
+        disable(self.model)

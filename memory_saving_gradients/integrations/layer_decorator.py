@@ -1,0 +1,196 @@
+"""`@recompute_grad` on a Keras layer's `call`: the layer becomes one recomputed segment.
+
+When the switch is on (environment variable RECOMPUTE=1, or checkpointing in
+force through `checkpointing(...)` / the Keras `Checkpointing` callback), a
+decorated call builds its body behind a gradient boundary
+(`tf.custom_gradient`). Only the body's inputs, outputs and the tensors that
+cannot be recomputed (random ops, control flow) are kept; the gradient of the
+boundary is our own rewrite (`memory_saving_gradients.gradients` with the
+layer's outputs as the only checkpoints), which copies the body's ops to run
+after the incoming gradient. Copies read the kept outputs of stateful ops, so
+dropout masks are the same, and ops off the path to the outputs (batch-norm
+moving-average updates) are never copied, so statistics are updated once.
+
+Keyword arguments (`training=`, `mask=`) and non-float arguments are closed
+over instead of passed through `tf.custom_gradient`, which in graph mode
+accepts no keywords (what makes `tf.recompute_grad` and `keras.RematScope`
+fail on such layers).
+
+When the switch is off the decorated call is the undecorated call: the same
+ops, the same gradients.
+"""
+
+import functools
+import inspect
+import logging
+import os
+import threading
+from typing import Callable, Mapping, Optional
+
+import keras
+import tensorflow as tf
+
+from memory_saving_gradients import api
+from memory_saving_gradients.integrations import patching
+
+logger = logging.getLogger("memory_saving_gradients")
+
+ENV_VAR = "RECOMPUTE"
+_ON_VALUES = frozenset({"1", "true", "yes"})
+_OFF_VALUES = frozenset({"0", "false", "no", ""})
+
+
+def parse_switch(environ: Mapping[str, str]) -> bool:
+    """The RECOMPUTE setting in `environ`: 1/true/yes on; 0/false/no/empty/unset off.
+
+    Raises:
+      ValueError: for any other value (never silently off).
+    """
+    raw = environ.get(ENV_VAR)
+    value = "" if raw is None else raw.strip().lower()
+    if value in _ON_VALUES:
+        return True
+    if value in _OFF_VALUES:
+        return False
+    raise ValueError(
+        f"{ENV_VAR}={raw!r} is not understood: set {ENV_VAR}=1 (or true/yes) to "
+        f"recompute layers decorated with @recompute_grad, {ENV_VAR}=0 (or "
+        f"false/no, or leave it unset) not to")
+
+
+# Read once per run, at import: a bad value fails here, not mid-training.
+_ENV_ON = parse_switch(os.environ)
+
+
+def recompute_enabled() -> bool:
+    """True if decorated layers build as recomputed segments where traced now.
+
+    On when RECOMPUTE was on at import, or while checkpointing is in force
+    (`checkpointing(...)`, the Keras `Checkpointing` callback).
+    """
+    return _ENV_ON or patching.active_checkpoints() is not None
+
+
+# Decorated calls being built on this thread. Inside one, nested decorated
+# layers build plainly: the outer segment recomputes them anyway.
+_building = threading.local()
+_warned_eager = []
+
+
+def recompute_grad(call: Callable) -> Callable:
+    """Decorates a Keras `Layer.call` so the layer is one recomputation segment.
+
+    Example:
+      >>> class Block(keras.layers.Layer):
+      ...     @recompute_grad
+      ...     def call(self, x, training=None):
+      ...         return self.dense2(self.dropout(self.dense1(x), training=training))
+      >>> class RecomputedDense(keras.layers.Dense):
+      ...     @recompute_grad
+      ...     def call(self, inputs):
+      ...         return super().call(inputs)
+
+    Eagerly (Keras `run_eagerly=True`) there is no graph to rewrite: the
+    layer runs undecorated and a warning is logged once.
+
+    Raises:
+      TypeError: if `call` is not a function named `call` defined in a class
+        body (a class, a layer instance, a bound method or a plain function).
+    """
+    _check_is_call_method(call)
+
+    @functools.wraps(call)
+    def recomputed_call(self, *args, **kwargs):
+        if not isinstance(self, keras.layers.Layer):
+            raise TypeError(
+                f"@recompute_grad decorates the call method of a keras.layers.Layer "
+                f"subclass, but {call.__qualname__} was called on a "
+                f"{type(self).__name__}; subclass keras.layers.Layer")
+        if not recompute_enabled() or getattr(_building, "depth", 0):
+            return call(self, *args, **kwargs)
+        if tf.executing_eagerly():
+            _warn_eager_once()
+            return call(self, *args, **kwargs)
+        return _call_as_segment(call, self, args, kwargs)
+
+    return recomputed_call
+
+
+def _check_is_call_method(obj) -> None:
+    usage = ("write @recompute_grad directly above `def call(self, ...)` in a "
+             "keras.layers.Layer subclass, or subclass an existing layer: "
+             "`class MyDense(keras.layers.Dense): @recompute_grad def call(self, "
+             "inputs): return super().call(inputs)`")
+    if inspect.isclass(obj) or isinstance(obj, keras.layers.Layer):
+        raise TypeError(f"@recompute_grad got {obj!r}, a layer or class, not its "
+                        f"call method: {usage}")
+    if inspect.ismethod(obj):
+        raise TypeError(f"@recompute_grad got the bound method {obj.__qualname__}; "
+                        f"decorate the function in the class body instead: {usage}")
+    qualname = getattr(obj, "__qualname__", "").split(".")
+    in_class = len(qualname) > 1 and qualname[-2] != "<locals>"
+    if not inspect.isfunction(obj) or obj.__name__ != "call" or not in_class:
+        raise TypeError(
+            f"@recompute_grad got {obj!r}, which is not a layer's call method: {usage}. "
+            f"For a plain function use memory_saving_gradients.gradients with "
+            f"checkpoints instead")
+
+
+def _warn_eager_once() -> None:
+    if not _warned_eager:
+        _warned_eager.append(True)
+        logger.warning(
+            "memory_saving_gradients: @recompute_grad layers run eagerly "
+            "(run_eagerly=True?) and are not recomputed: recomputation rewrites a "
+            "graph; train in a tf.function (Keras's default) to save memory")
+
+
+def _is_differentiable_input(value) -> bool:
+    return isinstance(value, tf.Tensor) and value.dtype.is_floating
+
+
+def _call_as_segment(call: Callable, layer: keras.layers.Layer, args: tuple,
+                     kwargs: dict):
+    """`call(layer, *args, **kwargs)` behind a gradient boundary whose gradient
+    recomputes the body. Float tensors anywhere in args/kwargs are its inputs;
+    everything else (training flags, masks, Python values) is closed over."""
+    leaves = tf.nest.flatten((args, kwargs))
+    slots = [i for i, v in enumerate(leaves) if _is_differentiable_input(v)]
+
+    @tf.custom_gradient
+    def segment(*inputs):
+        filled = list(leaves)
+        for slot, tensor in zip(slots, inputs):
+            filled[slot] = tensor
+        call_args, call_kwargs = tf.nest.pack_sequence_as((args, kwargs), filled)
+        graph = tf.compat.v1.get_default_graph()
+        first_op = len(graph.get_operations())
+        _building.depth = getattr(_building, "depth", 0) + 1
+        try:
+            outputs = call(layer, *call_args, **call_kwargs)
+        finally:
+            _building.depth -= 1
+        body_ops = set(graph.get_operations()[first_op:])
+
+        def gradient(*output_grads, variables: Optional[list] = None):
+            grads = _recomputed_gradients(outputs, body_ops, inputs, variables or [],
+                                          output_grads)
+            input_grads = grads[:len(inputs)]
+            return (input_grads, grads[len(inputs):]) if variables else input_grads
+
+        return outputs, gradient
+
+    return segment(*[leaves[i] for i in slots])
+
+
+def _recomputed_gradients(outputs, body_ops: set, inputs: tuple, variables: list,
+                          output_grads: tuple) -> list:
+    """Gradients of the inputs then variables, recomputing the body from them.
+
+    The body's float outputs are the only checkpoints, so everything between
+    them and the inputs is one segment, copied to wait for `output_grads`.
+    """
+    ys = tf.nest.flatten(outputs)
+    checkpoints = [y for y in ys if y.op in body_ops and y.dtype.is_floating]
+    return api.gradients(ys, list(inputs) + list(variables), grad_ys=list(output_grads),
+                         checkpoints=checkpoints)

@@ -1,0 +1,253 @@
+"""tf.GradientTape.gradient in a graph, answered by our rewrite while checkpointing is on.
+
+Inside tf.function a tape's gradient is the gradient along the ops it
+recorded, from the tensors and variables it watched. `gradients` walks every
+op between sources and target, so it answers a call only when those are the
+same: every op on a source-to-target path was created while this tape was
+recording (not before it, not under `stop_recording`), and every source is
+one the tape tracks. Anything else (eager, jacobians, another tape or forward
+accumulator recording, composite tensors, a tape entered before the hook was
+installed) goes to the stock tape, with a log line saying why.
+
+`install()` wraps a few GradientTape methods once per process; while no
+checkpointing is active the wrapped `gradient` is the stock one.
+"""
+
+import functools
+import logging
+from typing import Callable, Optional
+
+import tensorflow as tf
+
+from memory_saving_gradients import api
+from memory_saving_gradients.tfgraph import captures
+from memory_saving_gradients.tfgraph import compat
+
+logger = logging.getLogger("memory_saving_gradients")
+
+_RECORD = "_memory_saving_gradients_record"  # attribute holding a tape's _Record
+_stock = {}  # method name -> the GradientTape method we wrapped
+_state = {"active": lambda: None, "eager_logged": False}
+
+
+class _Record:
+    """Where a tape recorded: per graph, [start, end) positions in its op list."""
+
+    def __init__(self):
+        self.spans = {}  # graph -> list of [start, end or None]
+        self.watched = []  # tensors given to tape.watch
+        self.in_jacobian = False
+
+    def recorded(self, graph):
+        """Positions in graph.get_operations() the tape recorded at."""
+        spans = self.spans.get(graph, [])
+        return lambda i: any(s <= i and (e is None or i < e) for s, e in spans)
+
+
+def install(active: Callable[[], Optional[object]]) -> None:
+    """Hooks GradientTape (once); `active()` gives the checkpoints in force, or None."""
+    _state["active"] = active
+    if _stock:
+        return
+    for name, wrapper in (("_push_tape", _push_tape), ("_pop_tape", _pop_tape),
+                          ("reset", _reset), ("watch", _watch), ("gradient", _gradient),
+                          ("jacobian", _stock_inside("jacobian")),
+                          ("batch_jacobian", _stock_inside("batch_jacobian"))):
+        _stock[name] = getattr(tf.GradientTape, name)
+        setattr(tf.GradientTape, name, functools.wraps(_stock[name])(wrapper))
+
+
+def _record(tape) -> _Record:
+    if not hasattr(tape, _RECORD):
+        setattr(tape, _RECORD, _Record())
+    return getattr(tape, _RECORD)
+
+
+def _push_tape(self):
+    _stock["_push_tape"](self)
+    if not tf.executing_eagerly():
+        graph = tf.compat.v1.get_default_graph()
+        _record(self).spans.setdefault(graph, []).append([len(graph.get_operations()), None])
+
+
+def _pop_tape(self):
+    _stock["_pop_tape"](self)
+    for graph, spans in _record(self).spans.items():
+        if spans[-1][1] is None:
+            spans[-1][1] = len(graph.get_operations())
+
+
+def _reset(self):
+    _stock["reset"](self)
+    record = _record(self)
+    # reset() popped the old tape and pushed a new one: only that span counts.
+    record.spans = {g: [s[-1]] for g, s in record.spans.items() if s and s[-1][1] is None}
+    record.watched = []
+
+
+def _watch(self, tensor):
+    _stock["watch"](self, tensor)
+    _record(self).watched.extend(
+        t for t in tf.nest.flatten(tensor) if tf.is_symbolic_tensor(t))
+
+
+def _stock_inside(name):
+    """jacobian and batch_jacobian call gradient per row: those calls stay stock."""
+    def method(self, *args, **kwargs):
+        record = _record(self)
+        outer, record.in_jacobian = record.in_jacobian, True
+        try:
+            return _stock[name](self, *args, **kwargs)
+        finally:
+            record.in_jacobian = outer
+    return method
+
+
+def _gradient(self, target, sources, output_gradients=None,
+              unconnected_gradients=tf.UnconnectedGradients.NONE):
+    def stock():
+        return _stock["gradient"](self, target, sources, output_gradients, unconnected_gradients)
+
+    checkpoints = _state["active"]()
+    if checkpoints is None or self._tape is None:  # pylint: disable=protected-access
+        return stock()  # off, or a used non-persistent tape: stock raises
+    if tf.executing_eagerly():
+        if not _state["eager_logged"]:
+            _state["eager_logged"] = True
+            logger.info("memory_saving_gradients: eager GradientTape left alone (no graph to "
+                        "rewrite); wrap the step in tf.function to checkpoint it")
+        return stock()
+    if self._recording and not self._persistent:  # pylint: disable=protected-access
+        self._pop_tape()  # pylint: disable=protected-access  (as the stock tape does)
+    reason, call = _plan_call(self, target, sources, output_gradients, unconnected_gradients)
+    if reason:
+        logger.warning("memory_saving_gradients: GradientTape.gradient left to TensorFlow "
+                       "(no checkpointing for this call): %s", reason)
+        return stock()
+    grads = call(checkpoints)
+    if not self._persistent:  # pylint: disable=protected-access
+        self._watched_variables = self._tape.watched_variables()  # pylint: disable=protected-access
+        self._tape = None  # pylint: disable=protected-access
+    return tf.nest.pack_sequence_as(sources, grads)
+
+
+def _plan_call(tape, target, sources, output_gradients, unconnected):
+    """(reason to stay stock, None) or (None, function of checkpoints -> flat gradients)."""
+    record = _record(tape)
+    graph = tf.compat.v1.get_default_graph()
+    if record.in_jacobian:
+        return "jacobian/batch_jacobian", None
+    if tape._recording:  # pylint: disable=protected-access
+        return ("persistent tape still recording (its gradient would be recorded: "
+                "higher order)", None)
+    if compat.any_tape_recording():
+        return "another GradientTape or ForwardAccumulator is recording (higher order)", None
+    if graph not in record.spans:
+        return "the tape was not entered in this graph while checkpointing was installed", None
+    targets = tf.nest.flatten(target)
+    flat_sources = [_as_graph_tensor(graph, s) for s in tf.nest.flatten(sources)]
+    if not targets or not all(_plain(graph, t) for t in targets):
+        return "a target is not a floating-point tensor of this graph", None
+    if any(s is _FOREIGN for s in flat_sources):
+        return "a source is neither a variable nor a tensor this graph holds or captured", None
+    if not all(s is None or s.dtype.is_floating or s.dtype == tf.resource
+               for s in flat_sources):
+        return "a source is not a floating-point tensor or variable", None
+    tracked = _tracked(tape, record, graph)
+    reason = _unrecorded_path(graph, record, targets, [s for s in flat_sources if s is not None
+                                                        and id(s) in tracked])
+    if reason:
+        return reason, None
+    grad_ys = None if output_gradients is None else [
+        None if g is None else tf.convert_to_tensor(g) for g in tf.nest.flatten(output_gradients)]
+    return None, lambda checkpoints: _answer(
+        targets, flat_sources, tf.nest.flatten(sources), tracked, grad_ys, unconnected,
+        checkpoints)
+
+
+def _answer(targets, sources, given, tracked, grad_ys, unconnected, checkpoints):
+    """Ours for tracked sources; what the tape gives the others (None or zeros).
+
+    `sources` are the graph tensors standing for the `given` sources (None
+    for a variable this graph never read).
+    """
+    wanted = [s for s in sources if s is not None and id(s) in tracked]
+    found = dict(zip(map(id, wanted), api.gradients(
+        targets, wanted, grad_ys=grad_ys, checkpoints=checkpoints,
+        unconnected_gradients=unconnected) if wanted else []))
+    zero = tf.UnconnectedGradients(unconnected) == tf.UnconnectedGradients.ZERO
+    return [found[id(s)] if s is not None and id(s) in found
+            else (_zeros(s, g) if zero else None) for s, g in zip(sources, given)]
+
+
+def _zeros(source, given):
+    if source is not None:
+        return compat.zeros_like_gradient(source)
+    return tf.zeros(given.shape, given.dtype)  # a variable the graph never read
+
+
+_FOREIGN = object()  # a source _as_graph_tensor cannot place in the graph
+
+
+def _as_graph_tensor(graph, source):
+    """The tensor of `graph` standing for `source` (a variable: its handle).
+
+    None for a variable the graph never read (unconnected), _FOREIGN for
+    anything else that is not a tensor of the graph or captured by it.
+    """
+    if isinstance(getattr(source, "value", None), tf.Variable):
+        source = source.value  # a Keras 3 variable wraps a tf.Variable
+    if isinstance(source, tf.Variable):
+        return captures.local_tensor(graph, source.handle)
+    if not isinstance(source, tf.Tensor) or not tf.is_symbolic_tensor(source):
+        return _FOREIGN
+    local = captures.local_tensor(graph, source)
+    return _FOREIGN if local is None else local
+
+
+def _plain(graph, tensor):
+    return (isinstance(tensor, tf.Tensor) and tf.is_symbolic_tensor(tensor)
+            and tensor.graph is graph and tensor.dtype.is_floating)
+
+
+def _tracked(tape, record, graph):
+    """ids of the tensors of `graph` the tape tracks: watched, or made from them by recorded ops."""
+    handles = [captures.local_tensor(graph, v.handle) for v in tape.watched_variables()]
+    seeds = [captures.local_tensor(graph, t) for t in record.watched] + handles
+    tracked = {id(t) for t in seeds if t is not None}
+    recorded = record.recorded(graph)
+    for i, op in enumerate(graph.get_operations()):
+        if recorded(i) and any(id(t) in tracked and _trainable(t) for t in op.inputs):
+            tracked.update(id(t) for t in op.outputs)
+    return tracked
+
+
+def _trainable(tensor):
+    dtype = tensor.dtype
+    return dtype.is_floating or dtype.is_complex or dtype in (tf.resource, tf.variant)
+
+
+def _unrecorded_path(graph, record, targets, sources):
+    """Why some op between sources and targets is not on the tape, or None."""
+    ops = graph.get_operations()
+    position = {op.name: i for i, op in enumerate(ops)}
+    recorded = record.recorded(graph)
+    upstream = set()
+    stack = [t.op for t in targets]
+    while stack:
+        op = stack.pop()
+        if op.name not in upstream:
+            upstream.add(op.name)
+            stack.extend(t.op for t in op.inputs)
+    seen = set()
+    stack = [c for s in sources for c in s.consumers()]
+    while stack:
+        op = stack.pop()
+        if op.name in seen or op.name not in upstream:
+            continue
+        seen.add(op.name)
+        if not recorded(position[op.name]):
+            return (f"op {op.name} ({op.type}) between sources and target was created "
+                    f"outside the tape's recording (before the tape or under stop_recording)")
+        stack.extend(c for t in op.outputs for c in t.consumers())
+    return None

@@ -1,0 +1,77 @@
+"""Gradients with respect to tensors of enclosing graphs, from inside a nested graph.
+
+A cond branch, a while body or a nested tf.function is a FuncGraph of its
+own; a tensor of an enclosing graph enters it as a placeholder (a capture).
+tf.gradients called inside such a graph crosses those placeholders and goes on
+through the enclosing graphs' ops down to the xs (the gradient ops are added
+to the inner graph). We do the same in two steps: our rewrite takes the
+gradients down to the captures, then stock tf.gradients carries them from
+the captured tensors to the xs. Nothing of the enclosing graphs is
+recomputed: their tensors are alive anyway while the inner graph runs.
+"""
+
+from typing import List, Optional, Sequence, Tuple
+
+import tensorflow as tf
+
+from memory_saving_gradients.tfgraph import compat
+
+
+def encloses(outer, graph) -> bool:
+    """True if `outer` is `graph` or one of the graphs it is nested in."""
+    while graph is not None:
+        if graph is outer:
+            return True
+        graph = getattr(graph, "outer_graph", None)
+    return False
+
+
+def local_tensor(graph, tensor) -> Optional[tf.Tensor]:
+    """The tensor of `graph` standing for `tensor`, or None if `graph` never captured it.
+
+    `tensor` itself when it belongs to `graph`; else the placeholder `graph`
+    captured it as, directly or through the placeholders of the graphs in
+    between (a loop body in a function in a function). O(captures x depth).
+    """
+    if getattr(tensor, "graph", None) is graph:
+        return tensor
+    internal = _captured_as(graph, tensor)
+    if internal is not None:
+        return internal
+    outer = getattr(graph, "outer_graph", None)
+    in_outer = None if outer is None else local_tensor(outer, tensor)
+    return None if in_outer is None else _captured_as(graph, in_outer)
+
+
+def _captured_as(graph, tensor):
+    for external, internal in getattr(graph, "captures", ()):
+        if external is tensor:
+            return internal
+    return None
+
+
+def differentiable_captures(graph) -> List[Tuple[tf.Tensor, tf.Tensor]]:
+    """(captured tensor, its placeholder in `graph`) for the captures a gradient can cross.
+
+    Resource handles are left out: tf.gradients, too, stops at a variable
+    handle's placeholder rather than following it to the enclosing graph.
+    """
+    return [(external, internal) for external, internal in getattr(graph, "captures", ())
+            if internal.dtype.is_floating or internal.dtype.is_complex]
+
+
+def beyond(entries: Sequence[Tuple[tf.Tensor, tf.Tensor]], entry_grads: Sequence,
+           xs: Sequence[tf.Tensor], unconnected) -> List[Optional[tf.Tensor]]:
+    """Gradients of `xs` (tensors of enclosing graphs), given those of the captures.
+
+    `entry_grads[i]` is the gradient reaching the placeholder of `entries[i]`;
+    stock tf.gradients carries it on from the captured tensor, through the
+    enclosing graphs' ops, to each x (an x captured directly gets it as it is).
+    """
+    reached = [(external, g) for (external, _), g in zip(entries, entry_grads) if g is not None]
+    if not reached:
+        zero = unconnected == tf.UnconnectedGradients.ZERO
+        return [compat.zeros_like_gradient(x) if zero else None for x in xs]
+    return compat.stock_gradients([e for e, _ in reached], list(xs),
+                                  grad_ys=[g for _, g in reached],
+                                  unconnected_gradients=unconnected)

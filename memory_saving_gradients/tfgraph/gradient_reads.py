@@ -1,0 +1,157 @@
+"""Which forward tensors an op's registered gradient reads, asked of TensorFlow.
+
+`tf.gradients` keeps a forward tensor alive until backprop only if a gradient
+op reads it (ReLU's gradient reads its output, BiasAdd's reads nothing, MatMul's
+reads both inputs). Rather than a hand-written table, each op type's
+registered gradient is built once on a scratch graph, with placeholders of
+the same dtypes and shapes standing for the op's inputs, outputs and output
+gradients, and the placeholders the gradient ops consume are recorded, together with the peak
+bytes of the intermediate tensors the gradient makes on the way to its
+results (for `x * scale` with a per-channel scale: `dy * x`, as large as x,
+before it is summed to the scale's gradient). Results are cached per op
+type, attributes, dtypes and shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import tensorflow as tf
+
+from memory_saving_gradients.tfgraph import compat
+
+# Consumers that need only a tensor's shape: they run as soon as the tensor
+# exists (during the forward pass), so they do not keep it alive for backprop.
+_SHAPE_ONLY_OP_TYPES = frozenset({"Shape", "ShapeN", "Size", "Rank"})
+_OPAQUE_DTYPES = (tf.resource, tf.variant, tf.string)
+# Ops whose output shares its input's buffer: they allocate nothing.
+_ALIASING_OP_TYPES = frozenset({"Reshape", "Identity", "ExpandDims", "Squeeze", "NoOp"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Reads:
+    """What the op's gradient reads, by index of the op's inputs and outputs,
+    and the peak bytes of its intermediate tensors (not its results)."""
+    inputs: tuple
+    outputs: tuple
+    scratch_bytes: int = 0
+
+
+def gradient_reads(op: tf.Operation) -> Reads:
+    """The `Reads` of `op`'s registered gradient (cached per kind of op).
+
+    Ops without a gradient read nothing; ops whose gradient cannot be built
+    on a scratch graph (function calls, control flow, unusual attributes) are
+    assumed to read every input and output, which never under-counts memory.
+    """
+    return _cached_reads(_key(op), _Probe(op))
+
+
+def _key(op):
+    attrs = tuple(sorted((name, value.SerializeToString(deterministic=True))
+                         for name, value in op.node_def.attr.items()
+                         if not name.startswith("_")))
+    signature = tuple((t.dtype.name, str(t.shape)) for t in list(op.inputs) + list(op.outputs))
+    return op.type, attrs, signature, _read_outputs(op)
+
+
+def _read_outputs(op):
+    """Which outputs are read: only those receive a gradient (others get zeros,
+    and some gradients skip work for zero seeds, e.g. the softmax cross
+    entropy's second-order term)."""
+    return tuple(bool(t.consumers()) for t in op.outputs)
+
+
+class _Probe:
+    """Carries the op into the cached function without taking part in its key."""
+
+    def __init__(self, op):
+        self.op = op
+
+    def __hash__(self):
+        return 0
+
+    def __eq__(self, other):
+        return isinstance(other, _Probe)
+
+
+@functools.lru_cache(maxsize=None)
+def _cached_reads(key, probe):  # pylint: disable=unused-argument  # key is the cache key
+    op = probe.op
+    everything = Reads(tuple(range(len(op.inputs))), tuple(range(len(op.outputs))))
+    try:
+        grad_fn = compat.gradient_function(op)
+    except LookupError:
+        return everything  # tf.gradients would raise; never planned around
+    if grad_fn is None:
+        return Reads((), ())
+    try:
+        return _probe(op, grad_fn)
+    except Exception:  # pylint: disable=broad-except  # any failure: assume the worst
+        return everything
+
+
+def _probe(op, grad_fn):
+    """Builds `grad_fn` for a copy of `op` on a scratch graph; returns its Reads."""
+    scratch = tf.Graph()
+    with scratch.as_default():
+        inputs = [_stand_in(t, f"input{i}") for i, t in enumerate(op.inputs)]
+        copy = compat.create_op_copy(scratch, op, inputs)
+        for old, new in zip(op.outputs, copy.outputs):
+            new.set_shape(old.shape)
+        seeds = [None if t.dtype.base_dtype in _OPAQUE_DTYPES
+                 else _stand_in(t, f"grad{i}") if read else _zeros(t)
+                 for i, (t, read) in enumerate(zip(copy.outputs, _read_outputs(op)))]
+        first_new = len(scratch.get_operations())
+        results = grad_fn(copy, *seeds)
+        new_ops = scratch.get_operations()[first_new:]
+        read = {id(t) for new_op in new_ops
+                if new_op.type not in _SHAPE_ONLY_OP_TYPES for t in new_op.inputs}
+        results = results if isinstance(results, (list, tuple)) else [results]
+    return Reads(tuple(i for i, t in enumerate(inputs) if id(t) in read),
+                 tuple(i for i, t in enumerate(copy.outputs) if id(t) in read),
+                 _intermediate_peak(new_ops, {id(r) for r in results if r is not None}))
+
+
+def _intermediate_peak(ops, results):
+    """Peak bytes of the tensors `ops` (in creation order) make, results aside.
+
+    Each is alive from its op to its last reader among `ops`; shapes are
+    static (the stand-ins have the op's shapes); unknown dims count as 1.
+    """
+    last_reader = {}
+    for step, op in enumerate(ops):
+        for t in op.inputs:
+            last_reader[id(t)] = step
+    alive, peak, frees = 0, 0, {}
+    for step, op in enumerate(ops):
+        if op.type not in _ALIASING_OP_TYPES:
+            for t in op.outputs:
+                if id(t) not in results and t.dtype.base_dtype not in _OPAQUE_DTYPES:
+                    size = _bytes(t)
+                    alive += size
+                    end = last_reader.get(id(t), step)
+                    frees[end] = frees.get(end, 0) + size
+        peak = max(peak, alive)
+        alive -= frees.pop(step, 0)
+    return peak
+
+
+def _bytes(tensor):
+    dims = tensor.shape.as_list() if tensor.shape.rank is not None else []
+    count = 1
+    for d in dims:
+        count *= d or 1
+    return count * tensor.dtype.size
+
+
+def _zeros(tensor):
+    """A seed tf.gradients' zero tests recognise (a constant, or ZerosLike)."""
+    if tensor.shape.is_fully_defined():
+        return tf.zeros(tensor.shape, tensor.dtype)
+    return tf.zeros_like(_stand_in(tensor, "unread"))
+
+
+def _stand_in(tensor, name):
+    return tf.compat.v1.placeholder(tensor.dtype.base_dtype, tensor.shape, name=name)

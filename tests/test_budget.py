@@ -1,0 +1,103 @@
+"""Budgets and custom strategies on TensorFlow graphs: same gradients as tf.gradients,
+and the measured peak stays within the budget (design.md section 4)."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import memory_saving_gradients as msg
+from harness import Model
+from harness import assert_matches_stock
+from harness import gradients_vs_stock
+from models import dense_layers as _dense_layers
+from models import normal as _normal
+from test_models import _batch_norm
+
+UNIT = 250_000  # floats: 1 MB per tensor
+MB = 1_000_000
+
+
+def half_of_tf_gradients(model):
+    """A custom strategy composing a budget: half of tf.gradients' predicted memory."""
+    return msg.budget(0.5 * model.bytes_of(model.order))(model)
+
+
+def every_other_activation(model):
+    """A custom strategy in the spirit of JAX's remat policies: keep every other tensor."""
+    return list(model.order[::2])
+
+
+STRATEGIES = ("memory", "speed", msg.budget(10 * 2**20), half_of_tf_gradients,
+              every_other_activation)
+
+
+def _residual_mlp(ctx, x):
+    ws = _dense_layers(ctx, [16] * 9)
+    h = x
+    for w in ws:
+        h = h + tf.nn.relu(tf.matmul(h, w))
+    return Model(ys=[tf.reduce_sum(h * h)], xs=ws)
+
+
+def _conv_net(ctx, x):
+    h, xs = x, []
+    for i in range(3):
+        k = ctx.variable(f"k{i}", _normal([3, 3, 4, 4], 0.3, seed=i))
+        h, params, _, _ = _batch_norm(ctx, tf.nn.conv2d(h, k, 1, "SAME"), f"bn{i}")
+        h = tf.nn.relu(h)
+        xs += [k] + params
+    return Model(ys=[tf.reduce_mean(h * h)], xs=xs)
+
+
+@pytest.mark.parametrize("runtime", ["session", "function"])
+@pytest.mark.parametrize("build, inputs", [
+    (_residual_mlp, {"x": _normal([8, 16])}),
+    (_conv_net, {"x": _normal([2, 8, 8, 4])}),
+], ids=["residual_mlp", "conv_net_batch_norm"])
+def test_every_strategy_matches_tf_gradients(runtime, build, inputs):
+    outcome = gradients_vs_stock(runtime, build, inputs, modes=STRATEGIES)
+    assert len(outcome.ours) == len(STRATEGIES)
+    assert_matches_stock(outcome, rtol=1e-4, atol=1e-5)
+
+
+def test_checkpoint_plan_prints_the_budget_result():
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [UNIT])
+        h = x
+        for _ in range(20):
+            h = tf.tanh(h)
+        report = msg.checkpoint_plan(tf.reduce_sum(h), x, checkpoints=msg.budget(10 * MB))
+    text = str(report)
+    assert report.mode.startswith("budget(") and report.feasible
+    assert report.estimate.peak_bytes <= 10 * MB
+    assert "least predicted recompute" in text and "mode 'budget(" in text
+
+
+def _chain_step(depth, block):
+    x = tf.compat.v1.placeholder(tf.float32, [UNIT])
+    h = x
+    for _ in range(depth):
+        h = block(h)
+    return x, tf.reduce_sum(h)
+
+
+@pytest.mark.parametrize("block", [tf.tanh, lambda h: h + tf.tanh(h)], ids=["chain", "residual"])
+@pytest.mark.parametrize("share", [0.3, 0.5, 0.7])
+def test_measured_peak_stays_within_budget(block, share):
+    """Budgets as a share of tf.gradients' measured peak (raised to the smallest
+    feasible budget where the model predicts that share cannot be met); met within 15%."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x, y = _chain_step(40, block)
+        stock = tf.gradients(y, x)
+        feed = {x: np.random.RandomState(0).randn(UNIT).astype(np.float32) * 0.1}
+        with tf.compat.v1.Session() as sess:
+            stock_peak, stock_val = msg.session_peak_bytes(sess, stock, feed)
+        least = msg.checkpoint_plan(y, x, "memory").estimate.peak_bytes
+        budget = max(share * stock_peak, least)
+        ours = msg.gradients(y, x, checkpoints=msg.budget(budget))
+        with tf.compat.v1.Session() as sess:
+            ours_peak, ours_val = msg.session_peak_bytes(sess, ours, feed)
+    np.testing.assert_allclose(ours_val[0], stock_val[0], rtol=1e-5, atol=1e-6)
+    assert ours_peak <= 1.15 * budget, (ours_peak / budget, budget / stock_peak)

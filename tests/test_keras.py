@@ -1,0 +1,250 @@
+"""Keras `model.fit` with the Checkpointing callback trains exactly as stock `fit`.
+
+Each test builds the same tiny model twice (same seeds), fits it a few steps
+on the same data with and without the callback, and compares every weight
+afterwards: trainable ones, batch-norm moving statistics, optimizer state.
+The callback must also really have checkpointed (the plan is logged) and
+never fallen back to the stock tape.
+"""
+
+import logging
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import memory_saving_gradients as msg
+import memory_saving_gradients.keras as msg_keras
+from memory_saving_gradients.integrations import keras as keras_hook
+from examples.keras_models import bert_like, mobilenet
+
+RNG = np.random.RandomState(0)
+IMAGES = RNG.rand(24, 32, 32, 3).astype("float32")
+LABELS = RNG.randint(0, 4, 24)
+TOKENS = RNG.randint(1, 50, (24, 12))
+FEATURES = RNG.randn(24, 16).astype("float32")
+
+
+def fit_vs_stock(build, x, y, caplog, compile_kwargs=None, fit_kwargs=None, policy=None,
+                 optimizer=lambda: keras.optimizers.SGD(0.05, momentum=0.9)):
+    """Fits `build()` with and without Checkpointing; asserts equal weights. Returns the ours model.
+
+    SGD by default: Adam divides by the gradient's running size, which turns
+    float rounding (our sums run in another order) in near-zero gradients into
+    differences of a whole learning rate.
+    """
+    weights, models = [], []
+    for callbacks in ([], [msg_keras.Checkpointing("memory")]):
+        if policy:
+            keras.mixed_precision.set_global_policy(policy)
+        try:
+            keras.utils.set_random_seed(7)
+            model = build()
+            model.compile(**{"optimizer": optimizer(),
+                             "loss": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                             **(compile_kwargs or {})})
+            keras.utils.set_random_seed(8)
+            with caplog.at_level(logging.INFO, logger="memory_saving_gradients"):
+                caplog.clear()
+                model.fit(x, y, **{"batch_size": 8, "epochs": 1, "verbose": 0, "shuffle": False,
+                                   "callbacks": callbacks, **(fit_kwargs or {})})
+        finally:
+            keras.mixed_precision.set_global_policy("float32")
+        weights.append([np.asarray(v.numpy(), np.float64) for v in model.weights
+                        + model.optimizer.variables])
+        models.append(model)
+    planned = [r.getMessage() for r in caplog.records if "recompute" in r.getMessage()]
+    assert planned, "the training step was not checkpointed"
+    assert "left to TensorFlow" not in caplog.text, caplog.text
+    tolerance = 1e-5 if policy is None else 1e-2
+    for i, (stock, ours) in enumerate(zip(*weights)):
+        np.testing.assert_allclose(ours, stock, rtol=tolerance, atol=tolerance,
+                                   err_msg=f"variable {i}")
+    assert not _enabled(models[1])  # disabled after fit
+    return models[1]
+
+
+def _enabled(model):
+    return keras_hook.enabled_checkpoints(model) is not None
+
+
+def mlp(dropout=0.2):
+    inputs = keras.Input((16,))
+    h = inputs
+    for _ in range(4):
+        h = keras.layers.Dropout(dropout)(keras.layers.Dense(32, activation="relu")(h))
+    return keras.Model(inputs, keras.layers.Dense(4)(h))
+
+
+@pytest.mark.slow  # MobileNetV2 traced twice (stock, ours): 1.5-7 minutes on 2 shared cores
+def test_cnn_with_batch_norm(caplog):
+    model = fit_vs_stock(mobilenet, IMAGES, LABELS, caplog)
+    # Moving statistics moved, once per step as in stock (compared above).
+    moving = [v for v in model.non_trainable_weights if "moving_mean" in v.path]
+    assert moving and any(np.abs(v.numpy()).sum() > 0 for v in moving)
+
+
+def test_bert_like_with_dropout(caplog):
+    fit_vs_stock(bert_like, TOKENS, LABELS, caplog)
+
+
+def test_lstm_text_classifier(caplog):
+    def build():
+        tokens = keras.Input((12,), dtype="int32")
+        h = keras.layers.Embedding(50, 16)(tokens)
+        h = keras.layers.LSTM(16, return_sequences=True, dropout=0.1)(h)
+        return keras.Model(tokens, keras.layers.Dense(4)(keras.layers.LSTM(16)(h)))
+    fit_vs_stock(build, TOKENS, LABELS, caplog)
+
+
+class OwnStep(keras.Model):
+    """A subclassed model whose train_step adds an L2 penalty to the loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = [keras.layers.Dense(32, activation="tanh") for _ in range(4)]
+        self.head = keras.layers.Dense(4)
+
+    def call(self, x, training=False):
+        for layer in self.body:
+            x = layer(x)
+        return self.head(x)
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            logits = self(x, training=True)
+            loss = self.compute_loss(x=x, y=y, y_pred=logits)
+            loss += 1e-3 * tf.add_n([tf.reduce_sum(w ** 2) for w in self.trainable_weights])
+        grads = tape.gradient(loss, self.trainable_weights)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_weights))
+        return {"loss": loss}
+
+
+def test_subclassed_model_with_its_own_train_step(caplog):
+    fit_vs_stock(OwnStep, FEATURES, LABELS, caplog)
+
+
+def test_two_outputs_two_losses_sample_and_class_weights(caplog):
+    def build():
+        inputs = keras.Input((16,))
+        h = inputs
+        for _ in range(4):
+            h = keras.layers.Dense(32, activation="relu")(h)
+        return keras.Model(inputs, {"label": keras.layers.Dense(4, name="label")(h),
+                                    "value": keras.layers.Dense(1, name="value")(h)})
+    targets = {"label": LABELS, "value": FEATURES[:, :1]}
+    losses = {"label": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+              "value": "mse"}
+    fit_vs_stock(build, FEATURES, targets, caplog,
+                 compile_kwargs={"loss": losses, "loss_weights": {"label": 1.0, "value": 0.5}},
+                 fit_kwargs={"sample_weight": np.linspace(0.5, 1.5, 24).astype("float32")})
+    fit_vs_stock(mlp, FEATURES, LABELS, caplog,
+                 fit_kwargs={"class_weight": {0: 1.0, 1: 2.0, 2: 0.5, 3: 1.0}})
+
+
+@pytest.mark.parametrize("compile_kwargs", [
+    {"steps_per_execution": 3}, {"jit_compile": True}], ids=["steps_per_execution", "xla"])
+def test_compile_options(caplog, compile_kwargs):
+    fit_vs_stock(mlp, FEATURES, LABELS, caplog, compile_kwargs=compile_kwargs)
+
+
+def test_gradient_accumulation(caplog):
+    fit_vs_stock(mlp, FEATURES, LABELS, caplog, optimizer=lambda: keras.optimizers.SGD(
+        0.05, momentum=0.9, gradient_accumulation_steps=2))
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_mixed_precision(caplog, policy):
+    model = fit_vs_stock(mlp, FEATURES, LABELS, caplog, policy=policy)
+    if policy == "mixed_float16":
+        assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+
+
+def test_evaluate_and_predict_untouched(caplog):
+    def plans_logged(validate):
+        model = mlp()
+        model.compile(optimizer="adam", loss="mse")
+        with caplog.at_level(logging.INFO, logger="memory_saving_gradients"):
+            caplog.clear()
+            model.fit(FEATURES, FEATURES[:, :4], epochs=1, verbose=0,
+                      validation_data=(FEATURES, FEATURES[:, :4]) if validate else None,
+                      callbacks=[msg_keras.Checkpointing("speed")])
+            if validate:
+                model.predict(FEATURES, verbose=0)
+                model.evaluate(FEATURES, FEATURES[:, :4], verbose=0)
+        return sum("mode 'speed'" in r.getMessage() for r in caplog.records)
+
+    assert plans_logged(validate=True) == plans_logged(validate=False) > 0
+
+
+def test_active_checkpoints_while_the_step_is_traced():
+    seen = []
+
+    class Spy(keras.layers.Layer):
+        def call(self, x):
+            seen.append(msg.integrations.patching.active_checkpoints())
+            return x
+
+    inputs = keras.Input((16,))
+    model = keras.Model(inputs, keras.layers.Dense(4)(Spy()(inputs)))
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(FEATURES, FEATURES[:, :4], epochs=1, verbose=0,
+              callbacks=[msg_keras.Checkpointing("speed")])
+    assert "speed" in seen
+    assert msg.integrations.patching.active_checkpoints() is None
+
+
+def test_enable_and_disable_without_callbacks(caplog):
+    model = mlp(dropout=0.0)
+    model.compile(optimizer="sgd", loss="mse")
+    msg_keras.enable(model, "memory")
+    with caplog.at_level(logging.INFO, logger="memory_saving_gradients"):
+        model.train_on_batch(FEATURES, FEATURES[:, :4])
+    assert "mode 'memory'" in caplog.text
+    msg_keras.disable(model)
+    with caplog.at_level(logging.INFO, logger="memory_saving_gradients"):
+        caplog.clear()
+        model.train_on_batch(FEATURES, FEATURES[:, :4])
+    assert "mode 'memory'" not in caplog.text
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="unknown checkpoints mode 'memroy'"):
+        msg_keras.Checkpointing("memroy")
+    with pytest.raises(TypeError, match="takes a mode"):
+        msg_keras.Checkpointing([])
+    with pytest.raises(TypeError, match="checkpoints"):
+        msg_keras.Checkpointing(None)
+    model = mlp()
+    with pytest.raises(RuntimeError, match="not compiled: call model.compile"):
+        msg_keras.enable(model)
+    model.compile(optimizer="sgd", loss="mse")
+    msg_keras.enable(model)
+    with pytest.raises(RuntimeError, match="already enabled.*disable"):
+        msg_keras.enable(model, "speed")
+    msg_keras.disable(model)
+
+
+def test_fit_after_a_fit_that_raised():
+    model = mlp()
+    model.compile(optimizer="sgd", loss="mse")
+
+    class Stop(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            raise KeyboardInterrupt  # Keras skips on_train_end
+
+    with pytest.raises(KeyboardInterrupt):
+        model.fit(FEATURES, FEATURES[:, :4], verbose=0,
+                  callbacks=[msg_keras.Checkpointing("speed"), Stop()])
+    assert _enabled(model)
+    model.fit(FEATURES, FEATURES[:, :4], verbose=0, callbacks=[msg_keras.Checkpointing("memory")])
+    assert not _enabled(model)
+
+
+def test_disable_never_enabled_warns(caplog):
+    model = mlp()
+    with caplog.at_level(logging.WARNING, logger="memory_saving_gradients"):
+        msg_keras.disable(model)
+    assert "was not enabled" in caplog.text

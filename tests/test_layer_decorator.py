@@ -1,0 +1,328 @@
+"""@recompute_grad layers vs the same layers undecorated: fit, custom loops, memory.
+
+Each comparison builds two models from the same seeds, one whose blocks have a
+decorated `call` and one whose blocks do not, and trains both on the same
+data. Keras dropout draws its masks from seeded stateless ops, so both models
+see the same masks unless recomputation redraws them.
+"""
+
+import logging
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import memory_saving_gradients as msg
+from memory_saving_gradients import api
+from memory_saving_gradients import keras as msg_keras
+from memory_saving_gradients.integrations import layer_decorator
+from memory_saving_gradients.keras import recompute_grad
+from keras_blocks import (WIDTH, Block, RecomputedBlock, assert_same_weights, build_model,
+                          data, switched)
+
+class Outer(keras.layers.Layer):
+    """A decorated layer holding decorated blocks (nested segments)."""
+
+    def __init__(self, block, **kwargs):
+        super().__init__(**kwargs)
+        self.first, self.second = block(name="first"), block(name="second")
+
+    def call(self, x, training=None):
+        return self.second(self.first(x, training=training), training=training)
+
+
+class RecomputedOuter(Outer):
+    @recompute_grad
+    def call(self, x, training=None):
+        return super().call(x, training=training)
+
+
+@pytest.fixture
+def count_segments(monkeypatch):
+    """Counts the segment gradients our decorator builds: api.gradients calls
+    with a list of checkpoints (a whole-model call gets a mode)."""
+    calls = []
+    original = api.gradients
+
+    def counting(*args, **kwargs):
+        if isinstance(kwargs.get("checkpoints"), list):
+            calls.append(args[0])
+        return original(*args, **kwargs)
+    monkeypatch.setattr(layer_decorator.api, "gradients", counting)
+    return calls
+
+
+def fit(model, on, epochs=1, batch_size=8, run_eagerly=False):
+    x, y = data()
+    model.run_eagerly = run_eagerly
+    with switched(on):
+        model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0)
+    return [w.numpy() for w in model.weights]
+
+
+# --- the switch ---------------------------------------------------------------
+
+@pytest.mark.parametrize("value,expected", [
+    (None, False), ("", False), ("0", False), ("false", False), ("No", False),
+    ("1", True), ("true", True), (" YES ", True)])
+def test_switch_values(value, expected):
+    environ = {} if value is None else {"RECOMPUTE": value}
+    assert layer_decorator.parse_switch(environ) is expected
+
+
+def test_switch_rejects_unknown_value():
+    with pytest.raises(ValueError, match="RECOMPUTE='maybe' is not understood"):
+        layer_decorator.parse_switch({"RECOMPUTE": "maybe"})
+
+
+def test_unknown_value_fails_at_import():
+    env = dict(os.environ, RECOMPUTE="on-ish", TF_CPP_MIN_LOG_LEVEL="3")
+    result = subprocess.run([sys.executable, "-c", "import memory_saving_gradients.keras"],
+                            env=env, capture_output=True, text=True, timeout=300,
+                            cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert result.returncode != 0
+    assert "RECOMPUTE='on-ish' is not understood" in result.stderr
+
+
+def test_switch_follows_checkpointing_and_env(monkeypatch):
+    assert not layer_decorator.recompute_enabled()
+    with msg.checkpointing("memory"):
+        assert layer_decorator.recompute_enabled()
+    monkeypatch.setattr(layer_decorator, "_ENV_ON", True)
+    assert layer_decorator.recompute_enabled()
+
+
+# --- bad use ------------------------------------------------------------------
+
+def plain_function(x):
+    return x
+
+
+@pytest.mark.parametrize("target", [
+    plain_function, Block, keras.layers.Dense(2), keras.layers.Dense(2).call],
+    ids=["function", "class", "layer", "bound method"])
+def test_not_a_call_method_raises_type_error(target):
+    with pytest.raises(TypeError, match="def call"):
+        recompute_grad(target)
+
+
+def test_call_on_non_layer_raises_type_error():
+    class NotALayer:
+        @recompute_grad
+        def call(self, x):
+            return x
+    with pytest.raises(TypeError, match="keras.layers.Layer"):
+        NotALayer().call(tf.ones([1]))
+
+
+# --- fit ------------------------------------------------------------------------
+
+def test_fit_switched_on_matches_undecorated(count_segments):
+    want = fit(build_model(Block), on=False, epochs=2)
+    got = fit(build_model(RecomputedBlock), on=True, epochs=2)
+    assert len(count_segments) == 3  # one recomputed segment per block
+    # Same masks (dropout), moving statistics updated once (batch norm).
+    assert_same_weights(got, want, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.skipif(not hasattr(msg_keras, "Checkpointing"),
+                    reason="the Keras Checkpointing callback (issue 10) is not merged yet")
+def test_fit_with_checkpointing_callback_matches_undecorated(count_segments):
+    want = fit(build_model(Block), on=False, epochs=2)
+    model = build_model(RecomputedBlock)
+    x, y = data()
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
+              callbacks=[msg_keras.Checkpointing("memory")])
+    assert len(count_segments) == 3
+    assert_same_weights([w.numpy() for w in model.weights], want, rtol=1e-5, atol=1e-6)
+
+
+def test_fit_under_xla(count_segments):
+    want = fit(build_model(Block, jit_compile=True), on=False, epochs=2)
+    got = fit(build_model(RecomputedBlock, jit_compile=True), on=True, epochs=2)
+    assert len(count_segments) == 3
+    assert_same_weights(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_switched_off_builds_the_undecorated_ops(count_segments):
+    x, y = data(8)
+
+    def step_ops_and_grads(model):
+        @tf.function
+        def step():
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean((model(x, training=True) - y) ** 2)
+            return tape.gradient(loss, model.trainable_weights)
+        graph = step.get_concrete_function().graph
+        return [op.type for op in graph.get_operations()], [g.numpy() for g in step()]
+
+    plain_ops, plain_grads = step_ops_and_grads(build_model(Block))
+    ops, grads = step_ops_and_grads(build_model(RecomputedBlock))
+    assert not count_segments
+    assert ops == plain_ops
+    assert_same_weights(grads, plain_grads)  # bit-identical
+
+
+def test_fit_with_mask_keyword():
+    class Pool(keras.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.dense = keras.layers.Dense(WIDTH, activation="tanh")
+
+        def build(self, input_shape):
+            self.dense.build(input_shape)
+
+        def compute_mask(self, inputs, mask=None):
+            return None
+
+        def call(self, x, mask=None):
+            weights = tf.cast(mask, x.dtype)[..., None]
+            return tf.reduce_sum(self.dense(x) * weights, axis=1)
+
+    class RecomputedPool(Pool):
+        @recompute_grad
+        def call(self, x, mask=None):
+            return super().call(x, mask=mask)
+
+    def build(pool):
+        keras.utils.set_random_seed(0)
+        ids = keras.Input((6,), dtype="int32")
+        h = keras.layers.Embedding(20, WIDTH, mask_zero=True)(ids)
+        model = keras.Model(ids, keras.layers.Dense(1)(pool()(h)))
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", jit_compile=False)
+        return model
+
+    ids = np.random.default_rng(0).integers(0, 20, size=(16, 6)).astype("int32")
+    ids[:, 4:] = 0  # padding the mask must hide
+    y = np.ones((16, 1), "float32")
+    models = {}
+    for on, pool in ((False, Pool), (True, RecomputedPool)):
+        models[on] = build(pool)
+        with switched(on):
+            models[on].fit(ids, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    assert_same_weights([w.numpy() for w in models[True].weights],
+                        [w.numpy() for w in models[False].weights], rtol=1e-6, atol=1e-7)
+
+
+def test_nested_decorated_layers(count_segments):
+    def build(outer, block):
+        return build_model(lambda **kw: outer(block, **kw), num_blocks=2)
+    want = fit(build(Outer, Block), on=False)
+    got = fit(build(RecomputedOuter, RecomputedBlock), on=True)
+    assert len(count_segments) == 2  # the outer layers; inner ones are inside them
+    assert_same_weights(got, want, rtol=1e-6, atol=1e-7)
+
+
+def test_mixed_precision():
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    try:
+        want = fit(build_model(Block), on=False)
+        got = fit(build_model(RecomputedBlock), on=True)
+    finally:
+        keras.mixed_precision.set_dtype_policy("float32")
+    assert_same_weights(got, want, rtol=1e-3, atol=1e-4)
+
+
+def test_eager_runs_undecorated_and_says_so(caplog, count_segments):
+    want = fit(build_model(Block), on=False, run_eagerly=True)
+    with caplog.at_level(logging.WARNING, logger="memory_saving_gradients"):
+        got = fit(build_model(RecomputedBlock), on=True, run_eagerly=True)
+    assert not count_segments
+    assert "run eagerly" in caplog.text
+    assert_same_weights(got, want, rtol=1e-6, atol=1e-7)
+
+
+# --- custom loops -----------------------------------------------------------------
+
+def _loop_gradients(model, gradient_fn):
+    x, y = data(8)
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((model(x, training=True) - y) ** 2)
+        return gradient_fn(tape, loss, model.trainable_weights)
+    return [g.numpy() for g in step()]
+
+
+@pytest.mark.parametrize("way", ["tape", "gradients memory"])
+def test_custom_loop_matches_undecorated(way, count_segments):
+    def gradient_fn(tape, loss, weights):
+        if way == "tape":
+            return tape.gradient(loss, weights)
+        return msg.gradients(loss, weights, checkpoints="memory")
+
+    want = _loop_gradients(build_model(Block), lambda tape, loss, w: tape.gradient(loss, w))
+    with msg.checkpointing():
+        got = _loop_gradients(build_model(RecomputedBlock), gradient_fn)
+    assert count_segments
+    assert_same_weights(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_random_numbers_drawn_inside_are_kept():
+    class Noisy(keras.layers.Layer):
+        @recompute_grad
+        def call(self, x):
+            return x * tf.random.uniform(tf.shape(x))  # stateful op, unseeded
+
+    layer, x = Noisy(), tf.constant(np.linspace(1, 2, 64, dtype="float32").reshape(8, 8))
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = layer(x)
+        return y, tape.gradient(y, x)
+    with msg.checkpointing():
+        y, grad = step()
+    np.testing.assert_allclose(grad.numpy(), (y / x).numpy(), rtol=1e-6)
+
+
+# --- memory -------------------------------------------------------------------------
+
+class WideBlock(keras.layers.Layer):
+    """Four dense+relu layers: 8 activation tensors per block kept by stock backprop."""
+
+    def __init__(self, width, **kwargs):
+        super().__init__(**kwargs)
+        self.layers_ = [keras.layers.Dense(width, activation="relu") for _ in range(4)]
+
+    def call(self, x):
+        for layer in self.layers_:
+            x = layer(x)
+        return x
+
+
+class RecomputedWideBlock(WideBlock):
+    @recompute_grad
+    def call(self, x):
+        return super().call(x)
+
+
+def _activation_bytes(block, num_blocks=6, width=256, batch=512):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((width,))]
+                             + [block(width) for _ in range(num_blocks)])
+    x = tf.constant(np.ones((batch, width), "float32"))
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(model(x))
+        return tape.gradient(loss, model.trainable_weights)
+    step(x)  # trace and warm up
+    peak, grads = msg.function_peak_bytes(step, x)
+    return peak - sum(int(np.prod(g.shape)) * 4 for g in grads)
+
+
+def test_decorated_stack_uses_less_activation_memory():
+    stock = _activation_bytes(WideBlock)
+    with msg.checkpointing():
+        ours = _activation_bytes(RecomputedWideBlock)
+    # Stock keeps ~4 block-sized tensors per block; ours one per block plus one
+    # block's recomputation.
+    assert ours < 0.5 * stock, (ours, stock)

@@ -1,0 +1,54 @@
+"""The memory model against TensorFlow's allocator, and the order the rewrite enforces.
+
+Slow (several minutes on a shared 2-core machine): six fresh subprocesses, one per
+small model (a CNN with batch norm, a transformer block, an LSTM stack) and
+threading (TensorFlow's default, and one inter-op thread), each measuring
+tf.gradients and checkpoints='memory' on the same model and batch
+(benchmarks/predicted_vs_measured.py: allocator peak of a tf.function step
+minus its weight gradients, beside the prediction of `checkpoint_plan`).
+"""
+
+import pytest
+
+from benchmarks import predicted_vs_measured as pvm
+
+METHODS = ("tf.gradients", "memory")
+THREADS = ("default", "1")
+
+
+@pytest.fixture(scope="module")
+def rows():
+    found = {}
+    for model in pvm.SMALL_MODELS:
+        for threads in THREADS:
+            for row in pvm.run_job(model, METHODS, threads, timeout=600):
+                assert "error" not in row, row
+                found[model, row["method"], threads] = row
+    return found
+
+
+def _ratio(rows, model, threads):
+    return (rows[model, "memory", threads]["measured"]
+            / rows[model, "tf.gradients", threads]["measured"])
+
+
+@pytest.mark.parametrize("threads", THREADS)
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("model", ["cnn_bn"])
+def test_predicted_peak_within_15_percent_of_measured(rows, model, method, threads):
+    # Not yet the transformer block (predicted 4.98-6.95 MB, measured 2.9-5.7
+    # MB) nor the LSTM (a While loop's per-iteration stacks are not modelled):
+    # see docs/planner.md.
+    row = rows[model, method, threads]
+    assert row["predicted"] == pytest.approx(row["measured"], rel=0.15), row
+
+
+@pytest.mark.parametrize("model", [
+    "cnn_bn", "transformer",
+    pytest.param("lstm", marks=pytest.mark.xfail(
+        reason="LSTM stack: 0.57 default vs 0.68 (another run: 0.97) with one "
+               "inter-op thread; not yet understood", strict=False))])
+def test_saving_holds_with_one_inter_op_thread(rows, model):
+    default, single = _ratio(rows, model, "default"), _ratio(rows, model, "1")
+    assert single < 0.9, f"{model}: 'memory' keeps {single:.2f} of tf.gradients"
+    assert abs(default - single) <= 0.1, (model, default, single)

@@ -1,0 +1,189 @@
+"""The budget solver against an exact MILP, and bad input to budgets and custom strategies.
+
+No TensorFlow graphs: problems are built as arrays or as hand-made GraphModels.
+scipy (HiGHS) is a test-only dependency, imported lazily.
+"""
+
+import itertools
+
+import hypothesis
+import hypothesis.strategies as st
+import numpy as np
+import pytest
+
+import memory_saving_gradients as msg
+from memory_saving_gradients.core import cuts
+from memory_saving_gradients.core import pricing
+from memory_saving_gradients.core import solvers
+from memory_saving_gradients.core import strategies
+from test_selection import chain_model
+
+
+@st.composite
+def problems(draw, max_ops=60):
+    """Random DAGs in topological order: each op reads 1-2 recent ops, sometimes a far one."""
+    n = draw(st.integers(2, max_ops))
+    last = list(range(n))
+    for i in range(1, n):
+        reads = {draw(st.integers(max(0, i - 5), i - 1))}
+        if draw(st.booleans()):
+            reads.add(draw(st.integers(0, i - 1)))
+        for r in reads:
+            last[r] = max(last[r], i)
+    last[-1] = n  # the y
+    sizes = draw(st.lists(st.integers(1, 4), min_size=n, max_size=n))
+    costs = draw(st.lists(st.integers(1, 5), min_size=n, max_size=n))
+    pinned = draw(st.lists(st.booleans(), min_size=n, max_size=n))
+    always = [p and draw(st.booleans()) for p in pinned]  # about a quarter
+    return cuts.make_problem([f"op{i}" for i in range(n)], sizes, costs, last, always)
+
+
+def _interval(problem, a, b):
+    """(kept bytes, recomputed bytes, recomputed cost) of the interval (a, b], by definition."""
+    kept = size = cost = 0
+    for o in range(a + 1, b + 1):
+        if problem.always_kept[o]:
+            continue
+        if problem.last_use[o] > b:
+            kept += problem.op_bytes[o]
+        else:
+            size += problem.op_bytes[o]
+            cost += problem.op_cost[o]
+    return kept, size, cost
+
+
+def milp_least_recompute(problem, budget):
+    """The optimum of the cut model under `budget`, by an exact MILP (HiGHS).
+
+    A plan is a unit flow from the start through chosen cuts into the tail:
+    e[a, b] = 1 when (a, b] is an interval, t[a] = 1 when a is the last cut;
+    M bounds every interval's and the tail's recomputed bytes.
+    """
+    from scipy import optimize, sparse  # lazy: a test-only dependency
+
+    n = len(problem.ops)
+    starts = range(-1, n - 1)
+    edges = [(a, b) for a in starts for b in range(a + 1, n - 1)]
+    values = [_interval(problem, a, b) for a, b in edges]
+    tails = [_interval(problem, a, n - 1) for a in starts]
+    tail_bytes = [kept + size for kept, size, _ in tails]  # nothing is cut after a
+    columns = len(edges) + len(starts) + 1  # e, t, M
+    m_col = columns - 1
+    entries, lower, upper = [], [], []  # (row, column, value), per-row bounds
+    for row, p in enumerate(starts):  # flow: into p (1 at the start) = out of p
+        entries.append((row, len(edges) + row, 1))
+        lower.append(1 if p == -1 else 0)
+        upper.append(1 if p == -1 else 0)
+    for col, (a, b) in enumerate(edges):
+        entries += [(a + 1, col, 1), (b + 1, col, -1)]
+    for col, size in enumerate([size for _, size, _ in values] + tail_bytes):
+        entries += [(len(lower), col, size), (len(lower), m_col, -1)]
+        lower.append(-np.inf)
+        upper.append(0)
+    entries += [(len(lower), col, kept) for col, (kept, _, _) in enumerate(values)]
+    entries.append((len(lower), m_col, 1))
+    lower.append(-np.inf)
+    upper.append(budget - problem.fixed_bytes)
+    rows, cols, vals = zip(*entries)
+    matrix = sparse.csr_matrix((vals, (rows, cols)), shape=(len(lower), columns))
+    objective = np.zeros(columns)
+    objective[:len(edges)] = [cost for _, _, cost in values]
+    integrality = np.ones(columns)
+    integrality[m_col] = 0
+    found = optimize.milp(objective, integrality=integrality,
+                          bounds=optimize.Bounds(0, [1] * (columns - 1) + [np.inf]),
+                          constraints=optimize.LinearConstraint(matrix, lower, upper))
+    return found.fun if found.success else None
+
+
+@pytest.mark.slow  # HiGHS on up to 60 ops, 12 examples: about 1-4 minutes on 2 shared cores
+@hypothesis.settings(max_examples=12, deadline=None)
+@hypothesis.given(problem=problems(), share=st.floats(0, 1))
+def test_budgeted_recompute_matches_the_milp_optimum(problem, share):
+    pytest.importorskip("scipy")
+    least = solvers.least_peak(problem).cost.peak_bytes
+    budget = least + share * (problem.baseline_bytes - least)
+    found = solvers.least_recompute(problem, budget)
+    optimum = milp_least_recompute(problem, budget)
+    assert optimum is not None, "the least-peak plan fits, so the MILP is feasible"
+    assert found is not None
+    assert found.cost.peak_bytes <= budget
+    assert found.cost == cuts.evaluate(problem, found.cuts)
+    assert found.cost.recompute <= optimum * 1.01 + 1e-6
+
+
+@hypothesis.settings(max_examples=40, deadline=None)
+@hypothesis.given(problem=problems(max_ops=11))
+def test_least_peak_and_every_budget_match_brute_force(problem):
+    every = [cuts.evaluate(problem, chosen)
+             for k in range(len(problem.cuts) + 1)
+             for chosen in itertools.combinations(problem.cuts, k)]
+    least = min(c.peak_bytes for c in every)
+    found = solvers.least_peak(problem).cost
+    assert found.peak_bytes == least
+    assert found.recompute == min(c.recompute for c in every if c.peak_bytes == least)
+    assert solvers.least_recompute(problem, least - 1) is None
+    for budget in range(least, problem.baseline_bytes + 1):
+        fits = min(c.recompute for c in every if c.peak_bytes <= budget)
+        assert solvers.least_recompute(problem, budget).cost.recompute == fits
+
+
+def test_budget_below_the_smallest_feasible_names_it():
+    model, _ = chain_model(64)
+    smallest = strategies.memory(model).peak_bytes
+    with pytest.raises(ValueError, match="smallest feasible budget") as raised:
+        msg.budget(smallest - 1)(model)
+    assert f"({smallest} bytes)" in str(raised.value)
+    assert msg.budget(smallest)(model).peak_bytes <= smallest
+
+
+def test_budgets_trade_memory_for_recompute_on_a_chain():
+    model, _ = chain_model(64)
+    stock = pricing.predict(model, None).baseline_bytes  # what tf.gradients keeps
+    results = [msg.budget(share * stock)(model) for share in (0.3, 0.5, 1.0)]
+    for share, result in zip((0.3, 0.5, 1.0), results):
+        assert result.peak_bytes <= share * stock and result.feasible
+    recomputes = [r.recompute_flops for r in results]
+    assert recomputes == sorted(recomputes, reverse=True) and recomputes[-1] == 0
+
+
+@pytest.mark.parametrize("value, error, words", [
+    (-1, ValueError, "positive, finite number of bytes"),
+    (0, ValueError, "positive, finite number of bytes"),
+    (float("nan"), ValueError, "positive, finite"),
+    ("2GB", TypeError, "takes a number of bytes, got str"),
+    (True, TypeError, "takes a number of bytes, got bool"),
+    (None, TypeError, "got NoneType"),
+])
+def test_bad_budgets_fail_at_construction(value, error, words):
+    with pytest.raises(error, match=words):
+        msg.budget(value)
+
+
+@pytest.mark.parametrize("returned, error, words", [
+    (None, TypeError, "must return a list of tensor names"),
+    ("t003", TypeError, "must return a list of tensor names"),
+    ([3], TypeError, "return tensor names"),
+    (["t003", "no_such_tensor:0"], ValueError, r"not activations.*no_such_tensor:0"),
+])
+def test_custom_strategy_returning_other_than_tensor_names_is_an_error(returned, error,
+                                                                       words):
+    model, _ = chain_model(8)
+
+    def keep_odd(graph_model):
+        return returned
+
+    with pytest.raises(error, match=words):
+        strategies.run(model, keep_odd)
+
+
+def test_custom_strategy_keeps_what_it_returns():
+    model, names = chain_model(9)
+
+    def every_third(graph_model):
+        return [n for i, n in enumerate(graph_model.order) if i % 3 == 2]
+
+    result = strategies.run(model, every_third)
+    assert result.strategy == "custom:every_third"
+    assert set(result.chosen) == {names[2], names[5], names[8]}
+    assert result.estimate.peak_bytes < result.estimate.baseline_bytes

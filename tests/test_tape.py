@@ -1,0 +1,242 @@
+"""GradientTape.gradient inside tf.function goes through our rewrite while checkpointing is on,
+and gives exactly the stock tape's gradients (falling back to it where it cannot match)."""
+
+import logging
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import memory_saving_gradients as msg
+from memory_saving_gradients.tfgraph import compat
+
+FALLBACK = "left to TensorFlow"
+
+
+def _chain(x, w, depth=6):
+    h = x
+    for _ in range(depth):
+        h = tf.tanh(h @ w)
+    return h
+
+
+def _run(step, inputs, checkpoints):
+    """Traces and runs `step(*inputs)` in a fresh tf.function, with or without checkpointing.
+
+    Returns (numpy outputs, number of recomputed ops in the traced graph).
+    """
+    def traced(*args):
+        if checkpoints is None:
+            return step(*args)
+        with msg.checkpointing(checkpoints):
+            return step(*args)
+    function = tf.function(traced)
+    graph = function.get_concrete_function(*inputs).graph
+    copies = sum("recompute_" in op.name for op in graph.get_operations())
+    return tf.nest.map_structure(lambda t: None if t is None else t.numpy(),
+                                 function(*inputs)), copies
+
+
+def _assert_same(stock, ours):
+    flat_stock, flat_ours = tf.nest.flatten(stock), tf.nest.flatten(ours)
+    assert len(flat_stock) == len(flat_ours)
+    for i, (a, b) in enumerate(zip(flat_stock, flat_ours)):
+        assert (a is None) == (b is None), f"entry {i}: stock {a}, ours {b}"
+        if a is not None:
+            np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6, err_msg=f"entry {i}")
+
+
+def _vs_stock(step, inputs, caplog, expect_ours=True):
+    """Runs `step` stock and checkpointed; asserts equal results and whether ours ran."""
+    stock, _ = _run(step, inputs, None)
+    with caplog.at_level(logging.WARNING, logger="memory_saving_gradients"):
+        caplog.clear()
+        ours, copies = _run(step, inputs, "memory")
+    _assert_same(stock, ours)
+    fell_back = any(FALLBACK in r.getMessage() for r in caplog.records)
+    assert fell_back != expect_ours, caplog.text
+    assert (copies > 0) == expect_ours, f"{copies} recomputed ops"
+    return ours
+
+
+@pytest.fixture(name="weights")
+def _weights():
+    return (tf.Variable(tf.random.stateless_normal([8, 8], seed=[1, 1]), name="w"),
+            tf.Variable(tf.random.stateless_normal([4, 8], seed=[2, 2]), name="u"))
+
+
+X = tf.random.stateless_normal([4, 8], seed=[3, 4])
+
+
+def test_persistent_tape_structures_output_gradients_unconnected(weights, caplog):
+    w, u = weights
+    unused = tf.Variable(1.0)
+
+    def step(x):
+        with tf.GradientTape(persistent=True) as tape:
+            tape.watch(x)
+            h = _chain(x, w)
+            y = tf.reduce_sum(h * u)
+            total = tf.reduce_sum(h)
+        first = tape.gradient(y, {"w": w, "u": u, "x": x}, output_gradients=tf.constant(2.0))
+        second = tape.gradient([y, total], [w, (x, unused)],
+                               unconnected_gradients="zero")
+        return first, second
+
+    _vs_stock(step, [X], caplog)
+
+
+def test_keras_variables_as_sources(caplog):
+    import keras  # pylint: disable=import-outside-toplevel
+    layer = keras.layers.Dense(8, activation="tanh")
+    layer.build((None, 8))
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            y = tf.reduce_sum(layer(layer(layer(layer(x)))))
+        return tape.gradient(y, layer.trainable_weights)
+
+    _vs_stock(step, [X], caplog)
+
+
+def test_unwatched_sources_get_what_the_tape_gives(weights, caplog):
+    w, u = weights
+
+    def step(x):
+        with tf.GradientTape(watch_accessed_variables=False) as tape:
+            tape.watch(w)
+            y = tf.reduce_sum(_chain(x, w) * u)
+        return tape.gradient(y, [w, u, x], unconnected_gradients="zero")
+
+    ours = _vs_stock(step, [X], caplog)
+    assert not ours[1].any() and not ours[2].any()  # u and x unwatched: zeros, as stock
+
+
+def test_stop_recording_off_the_path_keeps_ours(weights, caplog):
+    w, u = weights
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            h = _chain(x, w)
+            with tape.stop_recording():
+                norm = tf.norm(w)
+            y = tf.reduce_sum(h * u)
+        return tape.gradient(y, [w, u]), norm
+
+    _vs_stock(step, [X], caplog)
+
+
+@pytest.mark.parametrize("forgotten", ["before_the_tape", "before_reset", "stop_recording"])
+def test_ops_the_tape_did_not_record_fall_back(weights, caplog, forgotten):
+    """An op on the path the tape did not record: stock's gradient differs from tf.gradients'."""
+    w, u = weights
+
+    def step(x):
+        if forgotten == "before_the_tape":
+            h = _chain(x, w, depth=2)
+        with tf.GradientTape() as tape:
+            if forgotten == "before_reset":
+                h = _chain(x, w, depth=2)
+                tape.reset()
+            if forgotten == "stop_recording":
+                h = _chain(x, w, depth=2)
+                with tape.stop_recording():
+                    h = h * 2.0
+            y = tf.reduce_sum(_chain(h, w) * u)
+        return tape.gradient(y, [w, u])
+
+    _vs_stock(step, [X], caplog, expect_ours=False)
+
+
+def test_nested_tapes_inner_call_falls_back(weights, caplog):
+    w, u = weights
+
+    def step(x):
+        with tf.GradientTape() as outer:
+            with tf.GradientTape() as inner:
+                y = tf.reduce_sum(_chain(x, w) * u)
+            grad = inner.gradient(y, w)
+            penalty = tf.reduce_sum(grad ** 2)
+        # The outer tape recorded the inner's stock gradient ops: ours may answer it.
+        return outer.gradient(penalty, [w, u])
+
+    stock, _ = _run(step, [X], None)
+    with caplog.at_level(logging.WARNING, logger="memory_saving_gradients"):
+        ours, _ = _run(step, [X], "memory")
+    _assert_same(stock, ours)
+    assert "another GradientTape or ForwardAccumulator is recording" in caplog.text
+
+
+def test_jacobian_stays_stock(weights, caplog):
+    w, _ = weights
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            y = tf.reduce_sum(_chain(x, w, depth=2), axis=1)
+        return tape.jacobian(y, w)
+
+    with caplog.at_level(logging.WARNING, logger="memory_saving_gradients"):
+        stock, _ = _run(step, [X], None)
+        ours, copies = _run(step, [X], "memory")
+    _assert_same(stock, ours)
+    assert copies == 0
+
+
+def test_eager_tape_is_left_alone_and_says_so_once(weights, caplog):
+    w, u = weights
+    with caplog.at_level(logging.INFO, logger="memory_saving_gradients"):
+        with msg.checkpointing("memory"):
+            for _ in range(2):
+                with tf.GradientTape() as tape:
+                    y = tf.reduce_sum(_chain(X, w) * u)
+                tape.gradient(y, w)
+    # One line per process: an earlier test may have logged it already.
+    assert sum("eager GradientTape" in r.getMessage() for r in caplog.records) <= 1
+
+
+def test_inactive_tape_is_stock(weights):
+    w, u = weights
+    with msg.checkpointing("memory"):
+        pass
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            y = tf.reduce_sum(_chain(x, w) * u)
+        return tape.gradient(y, w)
+
+    assert _run(step, [X], None)[1] == 0
+
+
+def test_non_persistent_tape_used_twice_raises_as_stock(weights):
+    w, u = weights
+
+    @tf.function
+    def step(x):
+        with msg.checkpointing("memory"):
+            with tf.GradientTape() as tape:
+                y = tf.reduce_sum(_chain(x, w) * u)
+            tape.gradient(y, w)
+            return tape.gradient(y, w)
+
+    with pytest.raises(RuntimeError, match="non-persistent GradientTape"):
+        step(X)
+
+
+def test_tf1_optimizer_follows_the_patch():
+    module = compat.tf1_optimizer_gradients_module()
+    original = module.gradients
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [4, 8])
+        w = tf.compat.v1.get_variable("w", initializer=tf.random.stateless_normal([8, 8], [5, 6]))
+        loss = tf.reduce_sum(_chain(x, w))
+        optimizer = tf.compat.v1.train.GradientDescentOptimizer(0.1)
+        with msg.checkpointing("memory"):
+            ours = optimizer.compute_gradients(loss, [w])[0][0]
+        assert module.gradients is original  # restored on leaving the block
+        stock = optimizer.compute_gradients(loss, [w])[0][0]
+        assert any("recompute_" in op.name for op in graph.get_operations())
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            a, b = sess.run([stock, ours], {x: X.numpy()})
+    np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,62 @@
+"""tf_keras (Keras 2, TF_USE_LEGACY_KERAS=1): fit with Checkpointing equals stock fit.
+
+tf_keras replaces tf.keras only in a process that sets the variable before
+importing TensorFlow, so the check runs in a subprocess (bounded in time).
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("tf_keras")
+
+SCRIPT = r"""
+import logging
+import numpy as np
+import tensorflow as tf
+import tf_keras
+import memory_saving_gradients.keras as msg_keras
+
+assert tf.keras is tf_keras or tf.keras.__name__.startswith("tf_keras"), tf.keras
+records = []
+logging.getLogger("memory_saving_gradients").addHandler(
+    type("H", (logging.Handler,), {"emit": lambda self, r: records.append(r.getMessage())})())
+logging.getLogger("memory_saving_gradients").setLevel(logging.INFO)
+rng = np.random.RandomState(0)
+x, y = rng.randn(32, 16).astype("float32"), rng.randint(0, 4, 32)
+
+def fit(callbacks):
+    tf_keras.utils.set_random_seed(3)
+    inputs = tf_keras.Input((16,))
+    h = inputs
+    for _ in range(4):
+        h = tf_keras.layers.Dense(32, activation="relu")(h)
+        h = tf_keras.layers.BatchNormalization()(h)
+        h = tf_keras.layers.Dropout(0.2)(h)
+    model = tf_keras.Model(inputs, tf_keras.layers.Dense(4)(h))
+    model.compile(optimizer=tf_keras.optimizers.Adam(1e-2), steps_per_execution=2,
+                  loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    tf_keras.utils.set_random_seed(4)
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False, callbacks=callbacks)
+    return [v.numpy() for v in model.weights]
+
+stock = fit([])
+ours = fit([msg_keras.Checkpointing("memory")])
+assert any("recompute" in r for r in records), records
+assert not any("left to TensorFlow" in r for r in records), records
+for a, b in zip(stock, ours):
+    np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+print("TF_KERAS_OK")
+"""
+
+
+@pytest.mark.slow  # a fresh TensorFlow + tf_keras process: 1-2.5 minutes on 2 shared cores
+def test_tf_keras_fit_with_callback_equals_stock():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TF_USE_LEGACY_KERAS="1",
+               PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
+                            text=True, timeout=300, check=False)
+    assert "TF_KERAS_OK" in result.stdout, result.stderr[-3000:]
