@@ -18,6 +18,7 @@ from memory_saving_gradients.core import timeline
 from memory_saving_gradients.core import strategies
 from memory_saving_gradients.core.model import GraphModel
 from memory_saving_gradients.tfgraph import captures
+from memory_saving_gradients.tfgraph import loop_chunks
 from memory_saving_gradients.tfgraph import op_kinds
 from memory_saving_gradients.tfgraph import reading
 from memory_saving_gradients.tfgraph import rewrite
@@ -188,7 +189,7 @@ def _plan(ys, xs, checkpoints):
         num_recomputed_ops=plan.num_recomputed_ops,
         num_forward_ops=model.num_region_ops,
         estimate=result.estimate,
-        notes=result.notes,
+        notes=result.notes + loop_chunks.describe(graph, read.region),
         plan=plan,
         model=model,
         reading=read,
