@@ -21,6 +21,7 @@ from memory_saving_gradients.tfgraph import captures
 from memory_saving_gradients.tfgraph import loop_chunks
 from memory_saving_gradients.tfgraph import op_kinds
 from memory_saving_gradients.tfgraph import reading
+from memory_saving_gradients.tfgraph import replicas
 from memory_saving_gradients.tfgraph import rewrite
 
 logger = logging.getLogger("memory_saving_gradients")
@@ -240,6 +241,7 @@ def _normalise(ys, xs, grad_ys):
             "memory_saving_gradients works on graphs, and TensorFlow is executing "
             "eagerly: wrap the training step in tf.function (or build a "
             "tf.compat.v1 graph), as tf.gradients requires too")
+    replicas.check_arguments((("ys", ys), ("xs", xs), ("grad_ys", grad_ys)))
     ys = _as_tensors(ys, "ys", allow_variables=True)
     if not ys:
         raise ValueError("ys is empty: pass the tensor(s) to differentiate")

@@ -10,6 +10,8 @@ import os
 
 import tensorflow as tf
 
+from memory_saving_gradients.tfgraph import replicas
+
 # TensorFlow's default CPU allocator keeps statistics only when oneDNN is on,
 # which TF enables by default on some Intel CPUs only (not on AMD): the BFC
 # allocator keeps them everywhere, and counts every allocation.
@@ -26,11 +28,14 @@ def enable_cpu_allocator_stats() -> None:
     os.environ.setdefault(_STATS_ENV, "1")
 
 
-def session_peak_bytes(sess, fetches, feed_dict=None) -> tuple:
+def session_peak_bytes(sess, fetches, feed_dict=None, device: str | None = None) -> tuple:
     """Runs `fetches` once with full tracing; returns (peak bytes, results).
 
     The peak is replayed from the allocation records of the run's step stats
-    (every allocation and deallocation, in time order), summed over devices.
+    (every allocation and deallocation, in time order), summed over devices,
+    or of `device` only (e.g. 'CPU:1': one replica of a MirroredStrategy;
+    logical CPU devices share one allocator, whose statistics
+    `function_peak_bytes` reads, so only this tells them apart).
     It counts everything the run allocated: activations, gradients, and
     outputs, but not variables, which live outside the step.
     """
@@ -40,8 +45,9 @@ def session_peak_bytes(sess, fetches, feed_dict=None) -> tuple:
                        run_metadata=metadata)
     records = sorted(
         (record.alloc_micros, record.alloc_bytes)
-        for device in metadata.step_stats.dev_stats
-        for node in device.node_stats
+        for stats in metadata.step_stats.dev_stats
+        if device is None or replicas.same_device(stats.device, device)
+        for node in stats.node_stats
         for allocator in node.memory
         for record in allocator.allocation_records)
     peak = current = 0

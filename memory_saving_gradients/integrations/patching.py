@@ -8,10 +8,20 @@ These helpers do the same for tf.gradients, tf.compat.v1.gradients and the
 function the TF1 optimizers call (`Optimizer.compute_gradients`), route
 `tf.GradientTape.gradient` inside tf.function through the same mode (see
 integrations/tape.py), and put the originals back.
+
+Which mode is in force is asked per thread, because tf.distribute traces each
+replica of `strategy.run` in a thread of its own: a patch made in the main
+thread holds for the whole process (replica threads included), a patch made
+in any other thread (say, inside a replica function) holds for that thread
+only, on top of the main thread's. While any patch is in force a dispatcher
+stands in for tf.gradients; it answers threads without a patch with the stock
+function.
 """
 
 import contextlib
 import functools
+import threading
+from typing import Callable, Dict, List, Optional
 
 import tensorflow as tf
 
@@ -21,7 +31,75 @@ from memory_saving_gradients.tfgraph import compat
 
 _TARGETS = ((tf, "gradients"), (tf.compat.v1, "gradients"),
             (compat.tf1_optimizer_gradients_module(), "gradients"))
-_saved = []  # stack of (checkpoints, the functions it replaced), for nesting
+
+
+class _Patches:
+    """Per-thread stacks of `checkpoints` values, and the installed dispatchers.
+
+    Every method holds the lock: replica threads enter and leave patches
+    interleaved (a replica pauses at each merge_call while the next runs).
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._stacks: Dict[int, List[object]] = {}  # thread ident -> its stack
+        self._originals: List[Callable] = []  # what the dispatchers replaced
+
+    def push(self, checkpoints) -> None:
+        with self._lock:
+            if not self._stacks:
+                self._install()
+            self._stacks.setdefault(threading.get_ident(), []).append(checkpoints)
+
+    def pop(self) -> None:
+        with self._lock:
+            stack = self._stacks.get(threading.get_ident())
+            if not stack:
+                raise RuntimeError(
+                    "tf.gradients is not patched by memory_saving_gradients in this "
+                    "thread; call patch_tf_gradients() first (in the same thread)")
+            stack.pop()
+            if not stack:
+                del self._stacks[threading.get_ident()]
+            if not self._stacks:
+                self._uninstall()
+
+    def active(self) -> Optional[object]:
+        with self._lock:
+            for ident in (threading.get_ident(), threading.main_thread().ident):
+                if self._stacks.get(ident):
+                    return self._stacks[ident][-1]
+            return None
+
+    def _install(self) -> None:
+        self._originals = [getattr(module, name) for module, name in _TARGETS]
+        for (module, name), original in zip(_TARGETS, self._originals):
+            setattr(module, name, _dispatcher(original))
+
+    def _uninstall(self) -> None:
+        for (module, name), original in zip(_TARGETS, self._originals):
+            # Leave alone a function the user put there since.
+            if getattr(getattr(module, name), "_replaces", None) is original:
+                setattr(module, name, original)
+        self._originals = []
+
+
+_patches = _Patches()
+
+
+def _dispatcher(original: Callable) -> Callable:
+    """Calls `gradients` with the calling thread's mode, or `original` if it has none."""
+
+    @tf.autograph.experimental.do_not_convert
+    @functools.wraps(original)
+    def dispatch(*args, **kwargs):
+        checkpoints = active_checkpoints()
+        if checkpoints is None:
+            return original(*args, **kwargs)
+        return api.gradients(*args, checkpoints=checkpoints, **kwargs)
+
+    dispatch._replaces = original  # pylint: disable=protected-access
+    return dispatch
 
 
 def patch_tf_gradients(checkpoints="memory") -> None:
@@ -29,37 +107,41 @@ def patch_tf_gradients(checkpoints="memory") -> None:
     GradientTape.gradient inside tf.function checkpoint with `checkpoints`.
 
     `checkpoints` is any value `gradients` accepts ('memory', 'speed',
-    'collection', a list of tensors, `budget(max_bytes)` or a callable strategy). Undo with `unpatch_tf_gradients()`.
+    'collection', a list of tensors, `budget(max_bytes)` or a callable
+    strategy). Undo with `unpatch_tf_gradients()` in the same thread. Called
+    in the main thread it holds for every thread; called in another thread,
+    for that thread only.
     """
     api.validate_checkpoints(checkpoints)
     tape.install(active_checkpoints)
-    replacement = tf.autograph.experimental.do_not_convert(
-        functools.partial(api.gradients, checkpoints=checkpoints))
-    _saved.append((checkpoints, [getattr(module, name) for module, name in _TARGETS]))
-    for module, name in _TARGETS:
-        setattr(module, name, replacement)
+    _patches.push(checkpoints)
 
 
 def unpatch_tf_gradients() -> None:
-    """Restores the functions the most recent `patch_tf_gradients` replaced."""
-    if not _saved:
-        raise RuntimeError("tf.gradients is not patched by memory_saving_gradients; "
-                           "call patch_tf_gradients() first")
-    for (module, name), original in zip(_TARGETS, _saved.pop()[1]):
-        setattr(module, name, original)
+    """Undoes this thread's most recent `patch_tf_gradients`.
+
+    When no patch is left in any thread, tf.gradients and
+    tf.compat.v1.gradients are the functions they were before the first.
+    """
+    _patches.pop()
 
 
 def active_checkpoints():
-    """The `checkpoints` value of the innermost patch in force, or None if unpatched.
+    """The `checkpoints` value in force for the calling thread, or None if unpatched.
 
+    That is the innermost patch made in this thread, else the innermost made
+    in the main thread (which reaches the replica threads of `strategy.run`).
     Integrations (tape, Keras) read it to know whether, and how, to checkpoint.
     """
-    return _saved[-1][0] if _saved else None
+    return _patches.active()
 
 
 @contextlib.contextmanager
 def checkpointing(checkpoints="memory"):
     """Context manager: tf.gradients checkpoints with `checkpoints` inside the block.
+
+    Safe to enter around `strategy.run` and inside the replica function too
+    (each replica thread has its own block).
 
     Example:
       >>> with memory_saving_gradients.checkpointing("memory"):

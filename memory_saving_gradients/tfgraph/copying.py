@@ -87,7 +87,10 @@ class Boundary:
                 stub = wait_for_gate(tensor, level_gate)
             else:
                 stub = tf.identity(tensor)
-            compat.set_device(stub.op, tensor.op.device)
+            # A variable read has no device of its own: its stub then keeps the
+            # caller's device scope, which under tf.distribute is the replica's.
+            if tensor.op.device:
+                compat.set_device(stub.op, tensor.op.device)
             stubs[tensor.name] = stub
         return stubs[tensor.name]
 
