@@ -10,7 +10,7 @@ import os
 
 import tensorflow as tf
 
-from memory_saving_gradients.tfgraph import replicas
+from memory_saving_gradients.tfgraph import allocations
 
 # TensorFlow's default CPU allocator keeps statistics only when oneDNN is on,
 # which TF enables by default on some Intel CPUs only (not on AMD): the BFC
@@ -39,22 +39,8 @@ def session_peak_bytes(sess, fetches, feed_dict=None, device: str | None = None)
     It counts everything the run allocated: activations, gradients, and
     outputs, but not variables, which live outside the step.
     """
-    options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
-    metadata = tf.compat.v1.RunMetadata()
-    results = sess.run(fetches, feed_dict=feed_dict, options=options,
-                       run_metadata=metadata)
-    records = sorted(
-        (record.alloc_micros, record.alloc_bytes)
-        for stats in metadata.step_stats.dev_stats
-        if device is None or replicas.same_device(stats.device, device)
-        for node in stats.node_stats
-        for allocator in node.memory
-        for record in allocator.allocation_records)
-    peak = current = 0
-    for _, change in records:
-        current += change
-        peak = max(peak, current)
-    return peak, results
+    results, metadata = allocations.traced_run(sess, fetches, feed_dict)
+    return allocations.peak_bytes(metadata, device), results
 
 
 def function_peak_bytes(fn, *args, device: str = "CPU:0", **kwargs) -> tuple:

@@ -51,7 +51,9 @@ def gradient_reads(op: tf.Operation) -> Reads:
 def _key(op):
     attrs = tuple(sorted((name, value.SerializeToString(deterministic=True))
                          for name, value in op.node_def.attr.items()
-                         if not name.startswith("_")))
+                         # Private attrs do not change the gradient, except the
+                         # one naming a tf.custom_gradient's own gradient function.
+                         if not name.startswith("_") or name == "_gradient_op_type"))
     signature = tuple((t.dtype.name, str(t.shape)) for t in list(op.inputs) + list(op.outputs))
     return op.type, attrs, signature, _read_outputs(op)
 

@@ -22,7 +22,10 @@ import functools
 import inspect
 import logging
 
+import numpy as np
 import tensorflow as tf
+
+from memory_saving_gradients.tfgraph import allocations
 
 logger = logging.getLogger(__name__)
 
@@ -65,56 +68,41 @@ def _hashable(attrs):
 
 @functools.lru_cache(maxsize=None)
 def _measured(op_type, attrs, shapes, dtype):
-    with tf.init_scope():
-        if not tf.executing_eagerly() or not _stats_available():
-            return 0
-        try:
-            return _run_gradient(op_type, dict(attrs), shapes, dtype)
-        except Exception as error:  # pylint: disable=broad-except  # then it is not measured
-            logger.debug("workspace of %s not measured: %s", op_type, error)
-            return 0
-
-
-@functools.lru_cache(maxsize=None)
-def _stats_available():
     try:
-        tf.config.experimental.reset_memory_stats(_DEVICE)
-        return True
-    except ValueError:
-        logger.info("memory_saving_gradients: no allocator statistics, so gradient "
-                    "workspaces are not measured; call enable_cpu_allocator_stats() "
-                    "before TensorFlow runs its first op for better predictions")
-        return False
+        return _run_gradient(op_type, dict(attrs), shapes, dtype)
+    except Exception as error:  # pylint: disable=broad-except  # then it is not measured
+        logger.debug("workspace of %s not measured: %s", op_type, error)
+        return 0
 
 
 def _run_gradient(op_type, attrs, shapes, dtype):
-    """Runs each gradient op of `op_type` eagerly; returns the largest scratch bytes.
+    """Runs each gradient op of `op_type` in a scratch graph; returns the largest scratch.
 
-    Each op runs twice (the first run may set up caches once); the second
-    run's allocator peak above its output is its scratch.
+    Inputs are fed placeholders (Grappler would fold constants away); each op
+    runs twice (the first run may set up caches once) and the second run's
+    peak above its output is its scratch.
     """
-    with tf.device(_DEVICE):
-        x = tf.random.normal(shapes[0], dtype=dtype)
-        values = {"x": x, "x_shape": tf.constant(shapes[0], tf.int32),
-                  "dy": tf.random.normal(shapes[-1], dtype=dtype)}
+    graph = tf.Graph()
+    with graph.as_default(), tf.device(_DEVICE):
+        x = tf.compat.v1.placeholder(dtype, shapes[0])
+        y, dy = (tf.compat.v1.placeholder(dtype, shapes[-1]) for _ in range(2))
+        feed = {x: np.zeros(shapes[0], dtype), y: np.zeros(shapes[-1], dtype),
+                dy: np.zeros(shapes[-1], dtype)}
+        values = {"x": x, "x_shape": tf.constant(shapes[0], tf.int32), "y": y, "dy": dy}
         if len(shapes) > 2:  # a convolution: input, filter, output
-            values.update(w=tf.random.normal(shapes[1], dtype=dtype),
-                          w_shape=tf.constant(shapes[1], tf.int32))
-        if any(source == "y" for _, *arguments in _GRADIENT_OPS[op_type]
-               for _, source in arguments):
-            values["y"] = _call(op_type, attrs, input=x, value=x)
-        scratch = 0
-        for grad_type, *arguments in _GRADIENT_OPS[op_type]:
-            tensors = {name: values[source] for name, source in arguments}
+            w = tf.compat.v1.placeholder(dtype, shapes[1])
+            feed[w] = np.zeros(shapes[1], dtype)
+            values.update(w=w, w_shape=tf.constant(shapes[1], tf.int32))
+        gradients = [_call(grad_type, attrs, **{name: values[source] for name, source in args})
+                     for grad_type, *args in _GRADIENT_OPS[op_type]]
+    scratch = 0
+    with tf.compat.v1.Session(graph=graph) as sess:
+        for out in gradients:
             for _ in range(2):
-                tf.config.experimental.reset_memory_stats(_DEVICE)
-                start = tf.config.experimental.get_memory_info(_DEVICE)["current"]
-                out = _call(grad_type, attrs, **tensors)
-                peak = tf.config.experimental.get_memory_info(_DEVICE)["peak"] - start
-                used = peak - out.shape.num_elements() * out.dtype.size
-                del out
-            scratch = max(scratch, used)
-    return int(scratch)
+                _, metadata = allocations.traced_run(sess, out.op, feed)
+            output_bytes = out.shape.num_elements() * out.dtype.size
+            scratch = max(scratch, allocations.peak_bytes(metadata) - output_bytes)
+    return int(max(scratch, 0))
 
 
 def _call(op_type, attrs, **tensors):

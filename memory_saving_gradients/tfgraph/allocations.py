@@ -1,0 +1,36 @@
+"""Peak memory of one traced Session run, replayed from its allocation records.
+
+Every allocation and deallocation an op makes (outputs and scratch buffers)
+is in the run's step stats; replayed in time order they give the run's own
+peak, without touching the allocator's process-wide statistics.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from memory_saving_gradients.tfgraph import replicas
+
+
+def traced_run(sess, fetches, feed_dict=None) -> tuple:
+    """`sess.run(fetches)` with full tracing; returns (results, RunMetadata)."""
+    options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
+    metadata = tf.compat.v1.RunMetadata()
+    results = sess.run(fetches, feed_dict=feed_dict, options=options, run_metadata=metadata)
+    return results, metadata
+
+
+def peak_bytes(metadata, device: str | None = None) -> int:
+    """Peak bytes alive during a traced run, on every device or on `device` only."""
+    records = sorted(
+        (record.alloc_micros, record.alloc_bytes)
+        for stats in metadata.step_stats.dev_stats
+        if device is None or replicas.same_device(stats.device, device)
+        for node in stats.node_stats
+        for allocator in node.memory
+        for record in allocator.allocation_records)
+    peak = current = 0
+    for _, change in records:
+        current += change
+        peak = max(peak, current)
+    return peak
