@@ -326,3 +326,82 @@ def test_decorated_stack_uses_less_activation_memory():
     # Stock keeps ~4 block-sized tensors per block; ours one per block plus one
     # block's recomputation.
     assert ours < 0.5 * stock, (ours, stock)
+
+
+# --- variables read both inside and outside a segment --------------------------------
+
+VOCAB = 10
+
+
+class Tied(keras.layers.Layer):
+    """Reads an embedding table owned elsewhere: as a matrix, by keras and by raw gathers."""
+
+    def __init__(self, embedding, **kwargs):
+        super().__init__(**kwargs)
+        self.embedding = embedding
+
+    def call(self, h, ids):
+        table = self.embedding.embeddings
+        gathered = tf.gather(table.value, ids) + self.embedding(ids[:, ::-1])  # ResourceGather
+        return tf.matmul(h + gathered, table, transpose_b=True)
+
+
+class RecomputedTied(Tied):
+    @recompute_grad
+    def call(self, h, ids):
+        return super().call(h, ids)
+
+
+class Scale(keras.layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.w = self.add_weight(shape=(), initializer=keras.initializers.Constant(1.5))
+
+    def call(self, x):
+        return tf.tanh(x * self.w)
+
+
+class RecomputedScale(Scale):
+    @recompute_grad
+    def call(self, x):
+        return super().call(x)
+
+
+def _scale_read_outside(scale):
+    layer = scale()
+    return lambda x, ids: layer(x * layer.w), layer
+
+
+def _scale_used_twice(scale):
+    layer = scale()
+    return lambda x, ids: layer(layer(x)), layer
+
+
+def _embedding_tied(tied):
+    keras.utils.set_random_seed(0)
+    embedding = keras.layers.Embedding(VOCAB, WIDTH)
+    layer = tied(embedding)
+    return lambda x, ids: layer(embedding(ids) * x, ids), layer
+
+
+@pytest.mark.parametrize("setup,layers", [
+    (_scale_read_outside, (Scale, RecomputedScale)),
+    (_scale_used_twice, (Scale, RecomputedScale)),
+    (_embedding_tied, (Tied, RecomputedTied))],
+    ids=["read outside", "layer used twice", "tied embedding"])
+def test_variable_read_outside_the_segment_counted_once(setup, layers):
+    x = tf.constant(np.random.default_rng(0).normal(size=(4, WIDTH)).astype("float32"))
+    ids = tf.constant(np.arange(4 * 3).reshape(4, 3) % VOCAB, tf.int32)
+    x3 = tf.tile(x[:, None, :], [1, 3, 1])
+    grads = {}
+    for on, layer_class in zip((False, True), layers):
+        forward, layer = setup(layer_class)
+
+        @tf.function
+        def step():
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(forward(x3, ids) ** 2)
+            return [tf.convert_to_tensor(g) for g in tape.gradient(loss, layer.trainable_weights)]
+        with switched(on):
+            grads[on] = [g.numpy() for g in step()]
+    assert_same_weights(grads[True], grads[False], rtol=1e-5, atol=1e-6)

@@ -32,6 +32,7 @@ import tensorflow as tf
 
 from memory_saving_gradients import api
 from memory_saving_gradients.integrations import patching
+from memory_saving_gradients.tfgraph import captures, compat
 
 logger = logging.getLogger("memory_saving_gradients")
 
@@ -189,8 +190,46 @@ def _recomputed_gradients(outputs, body_ops: set, inputs: tuple, variables: list
 
     The body's float outputs are the only checkpoints, so everything between
     them and the inputs is one segment, copied to wait for `output_grads`.
+    A variable gets the gradient of its reads inside the body only: reads
+    outside it (feeding the inputs, or another call of the same layer) get
+    theirs from the tape, and differentiating down to the variable itself
+    would count them a second time.
     """
     ys = tf.nest.flatten(outputs)
     checkpoints = [y for y in ys if y.op in body_ops and y.dtype.is_floating]
-    return api.gradients(ys, list(inputs) + list(variables), grad_ys=list(output_grads),
-                         checkpoints=checkpoints)
+    readers = [_readers_in_body(body_ops, variable) for variable in variables]
+    read_values = [t for _, ops in readers for op in ops for t in op.outputs]
+    grads = api.gradients(ys, list(inputs) + read_values, grad_ys=list(output_grads),
+                          checkpoints=checkpoints)
+    grad_of = dict(zip(map(id, read_values), grads[len(inputs):]))
+    return grads[:len(inputs)] + [_variable_gradient(handle, ops, grad_of)
+                                  for handle, ops in readers]
+
+
+def _readers_in_body(body_ops: set, variable) -> tuple:
+    """The variable's handle in this graph and the body's ops reading it."""
+    handle = captures.local_tensor(tf.compat.v1.get_default_graph(), variable.handle)
+    ops = [op for op in body_ops
+           if op.outputs and any(t is handle for t in op.inputs)] if handle is not None else []
+    return handle, ops
+
+
+def _variable_gradient(handle, readers: list, grad_of: dict):
+    """The sum of each reader's own gradient to `handle`, given its outputs' gradients.
+
+    Stock tf.gradients from a reader's outputs to the handle runs that one
+    op's gradient (a read passes it on, a gather makes IndexedSlices).
+    """
+    parts = []
+    for op in readers:
+        reached = [t for t in op.outputs if grad_of[id(t)] is not None]
+        if reached:
+            parts += compat.stock_gradients(reached, [handle],
+                                            grad_ys=[grad_of[id(t)] for t in reached])
+    parts = [part for part in parts if part is not None]
+    if len(parts) <= 1:
+        return parts[0] if parts else None
+    if all(isinstance(part, tf.IndexedSlices) for part in parts):
+        return tf.IndexedSlices(tf.concat([p.values for p in parts], 0),
+                                tf.concat([p.indices for p in parts], 0), parts[0].dense_shape)
+    return tf.add_n([tf.convert_to_tensor(part) for part in parts])
