@@ -405,3 +405,40 @@ def test_variable_read_outside_the_segment_counted_once(setup, layers):
         with switched(on):
             grads[on] = [g.numpy() for g in step()]
     assert_same_weights(grads[True], grads[False], rtol=1e-5, atol=1e-6)
+
+
+class Heads(keras.layers.Layer):
+    """Outputs that do not depend on the input: an int and a constant."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(WIDTH)
+
+    def call(self, x):
+        h = self.dense(x)
+        return h, tf.argmax(h, -1), tf.ones([WIDTH]) * 2.0
+
+
+class RecomputedHeads(Heads):
+    @recompute_grad
+    def call(self, x):
+        return super().call(x)
+
+
+def test_outputs_not_depending_on_inputs_get_no_gradient():
+    x = tf.constant(np.random.default_rng(0).normal(size=(4, WIDTH)).astype("float32"))
+    grads = {}
+    for on, heads in ((False, Heads), (True, RecomputedHeads)):
+        keras.utils.set_random_seed(0)
+        layer = heads()
+
+        @tf.function
+        def step():
+            with tf.GradientTape() as tape:
+                h, index, constant = layer(x)
+                loss = tf.reduce_sum(h ** 2) + tf.reduce_sum(constant * h[0]) + tf.reduce_sum(
+                    tf.cast(index, tf.float32))
+            return tape.gradient(loss, layer.trainable_weights)
+        with switched(on):
+            grads[on] = [g.numpy() for g in step()]
+    assert_same_weights(grads[True], grads[False], rtol=1e-5, atol=1e-6)

@@ -171,7 +171,7 @@ def _call_as_segment(call: Callable, layer: keras.layers.Layer, args: tuple,
             outputs = call(layer, *call_args, **call_kwargs)
         finally:
             _building.depth -= 1
-        body_ops = set(graph.get_operations()[first_op:])
+        body_ops = graph.get_operations()[first_op:]  # in creation order
 
         def gradient(*output_grads, variables: Optional[list] = None):
             grads = _recomputed_gradients(outputs, body_ops, inputs, variables or [],
@@ -184,7 +184,7 @@ def _call_as_segment(call: Callable, layer: keras.layers.Layer, args: tuple,
     return segment(*[leaves[i] for i in slots])
 
 
-def _recomputed_gradients(outputs, body_ops: set, inputs: tuple, variables: list,
+def _recomputed_gradients(outputs, body_ops: list, inputs: tuple, variables: list,
                           output_grads: tuple) -> list:
     """Gradients of the inputs then variables, recomputing the body from them.
 
@@ -195,18 +195,33 @@ def _recomputed_gradients(outputs, body_ops: set, inputs: tuple, variables: list
     theirs from the tape, and differentiating down to the variable itself
     would count them a second time.
     """
-    ys = tf.nest.flatten(outputs)
-    checkpoints = [y for y in ys if y.op in body_ops and y.dtype.is_floating]
     readers = [_readers_in_body(body_ops, variable) for variable in variables]
     read_values = [t for _, ops in readers for op in ops for t in op.outputs]
-    grads = api.gradients(ys, list(inputs) + read_values, grad_ys=list(output_grads),
-                          checkpoints=checkpoints)
+    xs = list(inputs) + read_values
+    # Outputs that depend on no x (constants, ints) get no gradient through.
+    reached = _reached_from(xs, body_ops)
+    pairs = [(y, g) for y, g in zip(tf.nest.flatten(outputs), output_grads)
+             if id(y) in reached and y.dtype.is_floating and g is not None]
+    grads = [None] * len(xs)
+    if pairs:
+        ys, body = [y for y, _ in pairs], set(body_ops)
+        grads = api.gradients(ys, xs, grad_ys=[g for _, g in pairs],
+                              checkpoints=[y for y in ys if y.op in body])
     grad_of = dict(zip(map(id, read_values), grads[len(inputs):]))
     return grads[:len(inputs)] + [_variable_gradient(handle, ops, grad_of)
                                   for handle, ops in readers]
 
 
-def _readers_in_body(body_ops: set, variable) -> tuple:
+def _reached_from(sources: list, body_ops: list) -> set:
+    """ids of the sources and of the outputs of body ops depending on one (O(body))."""
+    reached = {id(t) for t in sources}
+    for op in body_ops:
+        if any(id(t) in reached for t in op.inputs):
+            reached.update(id(t) for t in op.outputs)
+    return reached
+
+
+def _readers_in_body(body_ops: list, variable) -> tuple:
     """The variable's handle in this graph and the body's ops reading it."""
     handle = captures.local_tensor(tf.compat.v1.get_default_graph(), variable.handle)
     ops = [op for op in body_ops
