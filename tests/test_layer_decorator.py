@@ -442,3 +442,59 @@ def test_outputs_not_depending_on_inputs_get_no_gradient():
         with switched(on):
             grads[on] = [g.numpy() for g in step()]
     assert_same_weights(grads[True], grads[False], rtol=1e-5, atol=1e-6)
+
+
+# --- where a segment cannot be built: loops, SavedModel --------------------------------
+
+class Cell(keras.layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.state_size = WIDTH
+        self.dense = keras.layers.Dense(WIDTH)
+
+    def build(self, input_shape):
+        self.dense.build((input_shape[0], input_shape[-1] + WIDTH))
+
+    def call(self, x, states):
+        h = tf.tanh(self.dense(tf.concat([x, states[0]], -1)))
+        return h, [h]
+
+
+class RecomputedCell(Cell):
+    @recompute_grad
+    def call(self, x, states):
+        return super().call(x, states)
+
+
+def test_rnn_cell_runs_undecorated_inside_the_loop_and_says_so(caplog):
+    x = tf.constant(np.random.default_rng(0).normal(size=(4, 3, WIDTH)).astype("float32"))
+    grads = {}
+    for on, cell in ((False, Cell), (True, RecomputedCell)):
+        keras.utils.set_random_seed(0)
+        rnn = keras.layers.RNN(cell())
+
+        @tf.function
+        def step():
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(rnn(x) ** 2)
+            return tape.gradient(loss, rnn.trainable_weights)
+        with switched(on), caplog.at_level(logging.WARNING, logger="memory_saving_gradients"):
+            grads[on] = [g.numpy() for g in step()]
+    assert "inside a while loop" in caplog.text
+    assert_same_weights(grads[True], grads[False], rtol=1e-5, atol=1e-6)
+
+
+def test_saved_model_and_export_with_the_switch_on(tmp_path):
+    model = build_model(RecomputedBlock, num_blocks=1)
+    x, _ = data(8)
+    want = model(x, training=False).numpy()
+    with switched(True):
+        tf.saved_model.save(model, str(tmp_path / "saved"))
+        model.export(str(tmp_path / "exported"), verbose=False)
+    for name in ("saved", "exported"):
+        loaded = tf.saved_model.load(str(tmp_path / name))
+        if name == "exported":
+            got = loaded.serve(x)
+        else:
+            (got,) = loaded.signatures["serving_default"](tf.constant(x)).values()
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6)
