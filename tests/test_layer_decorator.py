@@ -370,6 +370,18 @@ class RecomputedScale(Scale):
         return super().call(x)
 
 
+def _tape_gradients(loss_fn, layer, on):
+    """Gradients of `loss_fn()` for the layer's weights in a tf.function traced with the
+    switch on or off (IndexedSlices made dense)."""
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            loss = loss_fn()
+        return [tf.convert_to_tensor(g) for g in tape.gradient(loss, layer.trainable_weights)]
+    with switched(on):
+        return [g.numpy() for g in step()]
+
+
 def _scale_read_outside(scale):
     layer = scale()
     return lambda x, ids: layer(x * layer.w), layer
@@ -399,16 +411,8 @@ def test_variable_read_outside_the_segment_counted_once(setup, layers):
     grads = {}
     for on, layer_class in zip((False, True), layers):
         forward, layer = setup(layer_class)
-
-        @tf.function
-        def step():
-            with tf.GradientTape() as tape:
-                loss = tf.reduce_sum(forward(x3, ids) ** 2)
-            return [tf.convert_to_tensor(g) for g in tape.gradient(loss, layer.trainable_weights)]
-        with switched(on):
-            grads[on] = [g.numpy() for g in step()]
+        grads[on] = _tape_gradients(lambda: tf.reduce_sum(forward(x3, ids) ** 2), layer, on)
     assert_same_weights(grads[True], grads[False], rtol=1e-5, atol=1e-6)
-
 
 class Heads(keras.layers.Layer):
     """Outputs that do not depend on the input: an int and a constant."""
@@ -435,15 +439,11 @@ def test_outputs_not_depending_on_inputs_get_no_gradient():
         keras.utils.set_random_seed(0)
         layer = heads()
 
-        @tf.function
-        def step():
-            with tf.GradientTape() as tape:
-                h, index, constant = layer(x)
-                loss = tf.reduce_sum(h ** 2) + tf.reduce_sum(constant * h[0]) + tf.reduce_sum(
-                    tf.cast(index, tf.float32))
-            return tape.gradient(loss, layer.trainable_weights)
-        with switched(on):
-            grads[on] = [g.numpy() for g in step()]
+        def loss_fn():
+            h, index, constant = layer(x)
+            return (tf.reduce_sum(h ** 2) + tf.reduce_sum(constant * h[0])
+                    + tf.reduce_sum(tf.cast(index, tf.float32)))
+        grads[on] = _tape_gradients(loss_fn, layer, on)
     assert_same_weights(grads[True], grads[False], rtol=1e-5, atol=1e-6)
 
 
@@ -475,14 +475,8 @@ def test_rnn_cell_runs_undecorated_inside_the_loop_and_says_so(caplog):
     for on, cell in ((False, Cell), (True, RecomputedCell)):
         keras.utils.set_random_seed(0)
         rnn = keras.layers.RNN(cell())
-
-        @tf.function
-        def step():
-            with tf.GradientTape() as tape:
-                loss = tf.reduce_sum(rnn(x) ** 2)
-            return tape.gradient(loss, rnn.trainable_weights)
-        with switched(on), caplog.at_level(logging.WARNING, logger="memory_saving_gradients"):
-            grads[on] = [g.numpy() for g in step()]
+        with caplog.at_level(logging.WARNING, logger="memory_saving_gradients"):
+            grads[on] = _tape_gradients(lambda: tf.reduce_sum(rnn(x) ** 2), rnn, on)
     assert "inside a while loop" in caplog.text
     assert_same_weights(grads[True], grads[False], rtol=1e-5, atol=1e-6)
 
