@@ -18,6 +18,7 @@ from memory_saving_gradients.core import timeline
 from memory_saving_gradients.core import strategies
 from memory_saving_gradients.core.model import GraphModel
 from memory_saving_gradients.tfgraph import captures
+from memory_saving_gradients.tfgraph import loop_chunks
 from memory_saving_gradients.tfgraph import op_kinds
 from memory_saving_gradients.tfgraph import reading
 from memory_saving_gradients.tfgraph import replicas
@@ -112,8 +113,9 @@ def gradients(ys, xs, grad_ys=None, checkpoints="collection", **kwargs):
                         f"{sorted(_TF_GRADIENTS_ARGS)}")
     ys, xs, grad_ys = _normalise(ys, xs, grad_ys)
     tf_kwargs = dict(kwargs)
-    stops = _as_tensors(tf_kwargs.pop("stop_gradients", None) or [], "stop_gradients")
-    unconnected = tf.UnconnectedGradients(
+    stops = tf_kwargs.pop("stop_gradients", None)
+    stops = [] if stops is None else _as_tensors(stops, "stop_gradients")
+    unconnected = _unconnected_gradients(
         tf_kwargs.pop("unconnected_gradients", tf.UnconnectedGradients.NONE))
     name = tf_kwargs.pop("name", None) or "gradients"
     graph = ys[0].graph
@@ -188,7 +190,7 @@ def _plan(ys, xs, checkpoints):
         num_recomputed_ops=plan.num_recomputed_ops,
         num_forward_ops=model.num_region_ops,
         estimate=result.estimate,
-        notes=result.notes,
+        notes=result.notes + loop_chunks.describe(graph, read.region),
         plan=plan,
         model=model,
         reading=read,
@@ -225,6 +227,14 @@ def _explicit_names(read, ys, xs, mode, checkpoints):
     return [t.name for t in tensors]
 
 
+def _unconnected_gradients(value):
+    try:
+        return tf.UnconnectedGradients(value)
+    except ValueError:
+        raise ValueError(f"unconnected_gradients={value!r} is not valid: use 'none' or "
+                         f"'zero' (tf.UnconnectedGradients.NONE or .ZERO)") from None
+
+
 def _normalise(ys, xs, grad_ys):
     if tf.executing_eagerly():
         raise RuntimeError(
@@ -246,12 +256,56 @@ def _normalise(ys, xs, grad_ys):
         if not captures.encloses(x.graph, graph):
             _check_same_graph([x], graph, "xs")
     if grad_ys is not None:
-        grad_ys = _as_tensors(grad_ys, "grad_ys", allow_none=True)
-        if len(grad_ys) != len(ys):
-            raise ValueError(f"grad_ys has {len(grad_ys)} entries but ys has {len(ys)}; "
-                             f"pass one gradient (or None) per y")
+        grad_ys = _grad_ys(grad_ys, ys)
         _check_same_graph([g for g in grad_ys if g is not None], graph, "grad_ys")
     return ys, xs, grad_ys
+
+
+def _grad_ys(grad_ys, ys):
+    """One seed (or None) per y, of its dtype and a shape compatible with it.
+
+    Python numbers, lists and numpy arrays become constants of the y's dtype,
+    as tf.gradients accepts them. A seed of another shape is refused even
+    where broadcasting would run: a transposed seed is never what was meant.
+    """
+    if not isinstance(grad_ys, (list, tuple)):
+        grad_ys = [grad_ys]
+    if len(grad_ys) != len(ys):
+        raise ValueError(f"grad_ys has {len(grad_ys)} entries but ys has {len(ys)}; "
+                         f"pass one gradient (or None) per y")
+    seeds = []
+    for i, (seed, y) in enumerate(zip(grad_ys, ys)):
+        where = f"grad_ys[{i}]"
+        if seed is not None and not isinstance(seed, tf.IndexedSlices):
+            if _is_tensor_like(seed):
+                seed = _as_tensors(seed, where, allow_variables=True)[0]
+            else:
+                seed = _constant_like(seed, y, where)
+            _check_seed(seed, y, where)
+        seeds.append(seed)
+    return seeds
+
+
+def _is_tensor_like(value):
+    return (isinstance(value, tf.Variable) or isinstance(getattr(value, "value", None), tf.Variable)
+            or tf.is_symbolic_tensor(value))
+
+
+def _constant_like(value, y, where):
+    try:
+        return tf.constant(value, dtype=y.dtype)
+    except (TypeError, ValueError) as error:
+        raise TypeError(f"{where} cannot be made a {y.dtype.name} tensor for y "
+                        f"{y.name}: {error}") from None
+
+
+def _check_seed(seed, y, where):
+    if seed.dtype.base_dtype != y.dtype.base_dtype:
+        raise TypeError(f"{where} has dtype {seed.dtype.name} but y {y.name} has "
+                        f"{y.dtype.name}; cast it: tf.cast({where}, tf.{y.dtype.name})")
+    if not seed.shape.is_compatible_with(y.shape):
+        raise ValueError(f"{where} has shape {seed.shape} but y {y.name} has shape "
+                         f"{y.shape}; pass a gradient shaped like its y")
 
 
 def _as_tensors(values, what, allow_variables=False, allow_none=False):

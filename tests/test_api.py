@@ -218,6 +218,58 @@ def test_keras_variables_are_accepted_as_xs():
         np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-5, atol=1e-5)
 
 
+# --- unclear or late errors (issue 14) -----------------------------------------
+
+def test_single_stop_gradients_tensor_like_tf_gradients(chain):
+    x, hs, y = chain
+    y = y + tf.reduce_sum(hs[1] * hs[1])  # a path from x around the stop
+    ours = msg.gradients(y, x, checkpoints=[hs[1]], stop_gradients=hs[3])
+    stock = tf.compat.v1.gradients(y, x, stop_gradients=hs[3])
+    feed = {x: np.linspace(-1, 1, 8).astype(np.float32)}
+    np.testing.assert_allclose(*_run([ours[0], stock[0]], feed), rtol=1e-6)
+
+
+@pytest.mark.parametrize("seed", [[1.0], 1.0, np.float32(2.0), np.array(3.0)])
+def test_grad_ys_python_and_numpy_values_like_tf_gradients(chain, seed):
+    x, hs, y = chain
+    ours = msg.gradients(y, x, grad_ys=seed, checkpoints=[hs[2]])
+    # tf.gradients keeps a numpy array's float64, which then fails in float32 ops.
+    stock = tf.compat.v1.gradients(y, x, grad_ys=tf.constant(np.ravel(seed)[0], tf.float32))
+    feed = {x: np.linspace(-1, 1, 8).astype(np.float32)}
+    np.testing.assert_allclose(*_run([ours[0], stock[0]], feed), rtol=1e-6)
+
+
+def test_grad_ys_of_the_wrong_shape_is_named():
+    with tf.Graph().as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [3, 4])
+        y = tf.tanh(x)
+        with pytest.raises(ValueError, match=r"grad_ys\[0\] has shape \(4, 3\)"):
+            msg.gradients(y, x, grad_ys=[tf.ones([4, 3])])
+
+
+@pytest.mark.parametrize("seed", [lambda: tf.ones([8], tf.float64), lambda: np.array(["a"] * 8)])
+def test_grad_ys_of_the_wrong_dtype_is_named(seed):
+    with tf.Graph().as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [8])
+        y = tf.tanh(x)
+        with pytest.raises(TypeError, match=r"grad_ys\[0\]"):
+            msg.gradients(y, x, grad_ys=[seed()])
+
+
+def test_unconnected_gradients_typo_names_the_argument_and_values(chain):
+    x, _, y = chain
+    with pytest.raises(ValueError, match="unconnected_gradients='zeros'.*'none' or 'zero'"):
+        msg.gradients(y, x, unconnected_gradients="zeros")
+
+
+@pytest.mark.parametrize("bad", [None, 3, "fastest", [3.0]])
+def test_patch_with_a_bad_checkpoints_value_fails_at_patch_time(bad):
+    original = tf.gradients
+    with pytest.raises((TypeError, ValueError), match="checkpoints"):
+        msg.patch_tf_gradients(bad)
+    assert tf.gradients is original
+
+
 def test_a_second_gradients_call_scans_only_the_ops_added_since(chain, monkeypatch):
     """Whole-graph scans are kept per graph and told only of new ops."""
     from memory_saving_gradients.tfgraph import reading

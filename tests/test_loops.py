@@ -85,10 +85,12 @@ def _copied_loops(outcome):
 
 
 def test_loops_that_only_read_variables_are_recomputed(runtime):
-    """Rerunning such a loop late frees its per-iteration state (test_memory)."""
+    """Rerunning such a loop late frees its per-iteration state (test_memory).
+    Not in a Session: an assign made after `gradients` could run before the
+    rerun (test_adversarial.test_session_assign_made_after_the_gradients_call)."""
     outcome = gradients_vs_stock(runtime, rnn_stack, {"x": normal((2, 5, 3))})
     assert_matches_stock(outcome)
-    assert len(_copied_loops(outcome)) == 3
+    assert len(_copied_loops(outcome)) == (0 if runtime == "session" else 3)
 
 
 @pytest.mark.parametrize("effect", ["dropout", "dropout_in_nested_function", "assign"])
@@ -251,6 +253,9 @@ def test_loops_reading_a_variable_assigned_before_backprop(runtime, when):
     outcome = gradients_vs_stock(runtime, lambda ctx, x: _rnn_stack_with_assign(ctx, x, when),
                                  {"x": normal((2, 5, 3))})
     assert_matches_stock(outcome)
+    if runtime == "session":  # loops reading variables are kept there
+        assert not _copied_loops(outcome)
+        return
     assert len(_copied_loops(outcome)) == (3 if when != "after" else 2)
     assert _first_loop_copied(outcome) == (when != "after")
 

@@ -4,6 +4,7 @@ Graph-mode peaks come from the allocation records of a traced Session run.
 With 250,000-float tensors one unit is 1 MB, so peaks are counted in units.
 """
 
+import logging
 import os
 import subprocess
 import sys
@@ -141,9 +142,11 @@ def test_tf_function_rnn_stack_recomputes_its_loops():
     assert ours <= 0.7 * stock, (stock, ours)  # measured: about 0.5
 
 
-def test_memory_mode_without_bottleneck_warns_and_still_saves(caplog):
+def test_memory_mode_without_bottleneck_saves_and_does_not_warn(caplog):
     """Parallel towers joined only at the loss have no single-tensor bottleneck
-    (the graph shape that made the TF1 tool raise)."""
+    (the graph shape that made the TF1 tool raise). Cuts of the topological
+    order exist on every graph, so there is nothing for the user to act on:
+    the plan is logged at INFO, never as a warning."""
     graph = tf.Graph()
     with graph.as_default():
         x = tf.compat.v1.placeholder(tf.float32, [UNIT])
@@ -155,9 +158,10 @@ def test_memory_mode_without_bottleneck_warns_and_still_saves(caplog):
             towers.append(h)
         y = tf.reduce_sum(towers[0] * towers[1])
         stock = tf.gradients(y, x)
-        with caplog.at_level("WARNING", logger="memory_saving_gradients"):
+        with caplog.at_level("INFO", logger="memory_saving_gradients"):
             ours = msg.gradients(y, x, checkpoints="memory")
-        assert "no usable single-tensor bottleneck" in caplog.text
+        assert "strategy memory keeps" in caplog.text
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
         feed = {x: np.random.RandomState(0).randn(UNIT).astype(np.float32)}
         with _session(optimized=True) as sess:
             stock_peak, stock_val = msg.session_peak_bytes(sess, stock, feed)
@@ -188,6 +192,9 @@ def test_function_peak_needs_allocator_stats_and_says_how(enable):
     so the default allocator keeps no statistics on any CPU."""
     env = {k: v for k, v in os.environ.items() if k != "TF_CPU_ALLOCATOR_USE_BFC"}
     env.update(TF_ENABLE_ONEDNN_OPTS="0", TF_CPP_MIN_LOG_LEVEL="2")
+    # The child imports tests/models.py.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(__file__),
+                                                      env.get("PYTHONPATH")]))
     out = subprocess.run([sys.executable, "-c", _MEASURE_ONE_CALL.format(enable=enable)],
                          env=env, capture_output=True, text=True, check=True).stdout
     if enable:

@@ -1,24 +1,48 @@
-"""Property: on random DAGs, any explicit checkpoint list gives tf.gradients' values.
+"""Property: on random models, any explicit checkpoint list gives tf.gradients' values.
 
-The DAGs mix elementwise ops (tanh, sigmoid, add, mul) with matmuls by
-weight variables and calls of a tf.function; every node feeds a loss, so any
-node is a valid checkpoint. Drawn too: an intermediate node as an extra x, a
-node given as stop_gradients, one loss per sink or their sum, and the runtime
-(Session or tf.function). Values are float64 so the comparison can be tight:
-our gradients differ from stock only in the order partial gradients are summed.
+Hypothesis draws a DAG of blocks over [4, 8] float64 tensors from the op
+vocabulary real models use (see `BLOCKS`): elementwise ops and matmuls,
+multi-output ops, reshapes and slices, gathers (IndexedSlices) with integer
+indices computed from the data, tf.where, moments, softmax, convolutions and
+pooling, fused batch norm, casts to float16/bfloat16, stop_gradient, a
+clipping custom_gradient, nested tf.function calls, v2 cond/case and while
+loops (with TensorArrays, reading variables, nested), stateful and stateless
+random ops. Drawn too: the xs (input, weights, intermediates, an unconnected
+variable), one or several ys with grad_ys, checkpoint lists mixing any
+tensors (xs, ys, integer tensors, multi-output siblings), stop_gradients,
+second-order gradients and the runtime (Session, tf.function). XLA runs the
+same in a subprocess, since XLA can abort the process.
+
+Default: a few tens of examples (a few minutes on 2 cores). The long
+profile: MSG_PROPERTY_PROFILE=long (see docs/testing.md).
 """
 
+import os
+import subprocess
+import sys
+
 import numpy as np
+import pytest
 import tensorflow as tf
 from hypothesis import HealthCheck
 from hypothesis import given
 from hypothesis import settings
 from hypothesis import strategies as st
 
-from harness import RUNTIMES
+import memory_saving_gradients as msg
 from harness import Model
 from harness import assert_matches_stock
 from harness import gradients_vs_stock
+from harness import stock_gradients
+
+settings.register_profile("default", max_examples=20, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("long", max_examples=400, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("MSG_PROPERTY_PROFILE", "default"))
+_XLA_CHILD = "MSG_PROPERTY_XLA_CHILD"
+
+WIDTH = 8
 
 
 @tf.function(autograph=False)
@@ -27,61 +51,230 @@ def _called(a, b):
     return tf.tanh(a) * b
 
 
-UNARY = {"tanh": tf.tanh, "sigmoid": tf.sigmoid}
-BINARY = {"add": tf.add, "mul": tf.multiply, "call": _called}
-NUM_WEIGHTS = 3
+@tf.custom_gradient
+def _clip_gradient(h):
+    """Identity whose gradient is clipped: not linear in the incoming gradient."""
+    return tf.identity(h), lambda dy: tf.clip_by_value(dy, -0.2, 0.2)
+
+
+def _image(h):
+    return tf.reshape(h, [-1, 2, WIDTH // 2, 1])
+
+
+def _flat(h):
+    return tf.reshape(h, [-1, WIDTH])
+
+
+def _split(h, w):
+    a, b = tf.split(h, 2, axis=1)
+    return tf.concat([tf.tanh(a) * b, a], axis=1)
+
+
+def _gather_rows(h, w):
+    """Rows chosen by an integer tensor computed from the data: IndexedSlices."""
+    rows = tf.math.floormod(tf.argmax(h, axis=1, output_type=tf.int32), WIDTH)
+    return tf.gather(w, rows) * h + tf.gather(h, [3, 0, 1, 2])
+
+
+def _moments(h, w):
+    mean, variance = tf.nn.moments(h, axes=[1], keepdims=True)
+    return (h - mean) * tf.math.rsqrt(variance + 1e-3)
+
+
+def _fused_batch_norm(h, w):
+    x = tf.cast(_image(h), tf.float32)
+    y = tf.compat.v1.nn.fused_batch_norm(x, tf.ones([1]), tf.zeros([1]), is_training=True)[0]
+    return tf.cast(_flat(y), tf.float64)
+
+
+def _loop(h, w):
+    """Two steps reading `w` in the body, writing a TensorArray."""
+    def body(t, state, outs):
+        state = tf.tanh(tf.matmul(state, w))
+        return t + 1, state, outs.write(t, state)
+    _, last, outs = tf.while_loop(
+        lambda t, s, o: t < 2, body, [0, h, tf.TensorArray(tf.float64, 2)],
+        maximum_iterations=2)
+    return last + tf.reduce_mean(outs.stack(), axis=0)
+
+
+def _nested_loop(h, w):
+    def body(t, state):
+        inner = tf.while_loop(lambda u, s: u < 2, lambda u, s: (u + 1, tf.sin(s) * 0.9),
+                              [0, state], maximum_iterations=2)[1]
+        return t + 1, tf.tanh(tf.matmul(inner, w))
+    return tf.while_loop(lambda t, s: t < 2, body, [0, h], maximum_iterations=2)[1]
+
+
+def _case(h, w):
+    index = tf.math.floormod(tf.cast(tf.reduce_sum(h) > 0, tf.int32) + 1, 3)
+    return tf.switch_case(index, [lambda: tf.tanh(h), lambda: tf.sin(h) * 2.0,
+                                  lambda: tf.matmul(h, w)])
+
+
+# name -> (arity, function of (*inputs, weight)). Every block maps [4, 8]
+# float64 tensors to one.
+BLOCKS = {
+    "tanh": (1, lambda h, w: tf.tanh(h)),
+    "sigmoid": (1, lambda h, w: tf.sigmoid(h)),
+    "add": (2, lambda a, b, w: a + b),
+    "mul": (2, lambda a, b, w: a * b),
+    "matmul": (1, lambda h, w: tf.matmul(h, w)),
+    "call": (2, lambda a, b, w: _called(a, b)),
+    "split": (1, _split),
+    "unstack": (1, lambda h, w: tf.stack(tf.unstack(h)[::-1]) * h),
+    "top_k": (1, lambda h, w: tf.math.top_k(h, k=WIDTH).values * h),
+    "reshape": (1, lambda h, w: _flat(tf.transpose(tf.reshape(h, [4, 2, 4]), [0, 2, 1]))),
+    "slice": (1, lambda h, w: tf.concat([h[:, 3:], tf.sin(h[:, :3])], axis=1)),
+    "gather": (1, _gather_rows),
+    "where": (1, lambda h, w: tf.where(h > 0, h, 0.1 * h)),
+    "moments": (1, _moments),
+    "softmax": (1, lambda h, w: tf.nn.softmax(h) * 3.0),
+    "conv": (1, lambda h, w: _flat(tf.nn.conv2d(_image(h), tf.reshape(w[:3, :3], [3, 3, 1, 1]),
+                                                1, "SAME"))),
+    "max_pool": (1, lambda h, w: _flat(tf.nn.max_pool2d(_image(h), 2, 1, "SAME"))),
+    "avg_pool": (1, lambda h, w: _flat(tf.nn.avg_pool2d(_image(h), 2, 1, "SAME"))),
+    "batch_norm": (1, _fused_batch_norm),
+    "float16": (1, lambda h, w: tf.cast(tf.tanh(tf.cast(h, tf.float16)), tf.float64)),
+    "bfloat16": (1, lambda h, w: tf.cast(tf.sigmoid(tf.cast(h, tf.bfloat16)), tf.float64)),
+    "stop_gradient": (1, lambda h, w: h * tf.stop_gradient(tf.tanh(h))),
+    "custom_gradient": (1, lambda h, w: _clip_gradient(h * 2.0)),
+    "cond": (1, lambda h, w: tf.cond(tf.reduce_sum(h) > 0, lambda: tf.tanh(h),
+                                     lambda: tf.matmul(h, w))),
+    "case": (1, _case),
+    "loop": (1, _loop),
+    "nested_loop": (1, _nested_loop),
+    "dropout": (1, lambda h, w: tf.nn.dropout(h, rate=0.5)),
+    "stateless_random": (1, lambda h, w: h * tf.random.stateless_uniform(
+        [4, WIDTH], seed=[1, 2], dtype=tf.float64)),
+}
+_LOW_PRECISION = {"float16": 1e-2, "bfloat16": 5e-2}
+_RANDOM = {"dropout"}
+NUM_WEIGHTS = 2
 
 
 @st.composite
 def dags(draw):
-    """A list of (op, input node indices) with node 0 the input x."""
+    """A list of (block name, input node indices, weight index); node 0 is x."""
     nodes = []
-    for i in range(1, draw(st.integers(2, 12)) + 1):
-        kind = draw(st.sampled_from(["tanh", "sigmoid", "add", "mul", "matmul", "call"]))
-        first = draw(st.integers(0, i - 1))
-        if kind in BINARY:
-            nodes.append((kind, (first, draw(st.integers(0, i - 1)))))
-        elif kind == "matmul":
-            nodes.append((kind, (first, draw(st.integers(0, NUM_WEIGHTS - 1)))))
-        else:
-            nodes.append((kind, (first,)))
+    for i in range(1, draw(st.integers(2, 9)) + 1):
+        kind = draw(st.sampled_from(sorted(BLOCKS)))
+        inputs = tuple(draw(st.integers(0, i - 1)) for _ in range(BLOCKS[kind][0]))
+        nodes.append((kind, inputs, draw(st.integers(0, NUM_WEIGHTS - 1))))
     return nodes
 
 
-def _build_dag(nodes, checkpoints, x_node, stop_node, separate_ys):
+@st.composite
+def problems(draw):
+    """A model and how to differentiate it."""
+    nodes = draw(dags(), label="nodes")
+    n = len(nodes)
+    second_order = draw(st.booleans(), label="second order")
+    stop_node = draw(st.none() | st.integers(1, n), label="stop_gradients")
+    if second_order and stop_node and nodes[stop_node - 1][0] == "call":
+        stop_node = None  # tf.gradients itself has no second order there (SymbolicGradient)
+    return dict(
+        nodes=nodes, second_order=second_order, stop_node=stop_node,
+        checkpoints=sorted(draw(st.sets(st.integers(0, n)), label="checkpoints")),
+        extra=draw(st.sets(st.sampled_from(["indices", "sibling", "x", "y"])),
+                   label="extra checkpoints"),
+        x_nodes=sorted(draw(st.sets(st.integers(1, n), max_size=2), label="intermediate xs")),
+        unconnected=draw(st.booleans(), label="unconnected x"),
+        separate_ys=draw(st.booleans(), label="one y per sink"),
+        grad_ys=draw(st.booleans(), label="grad_ys"))
+
+
+def _forward(nodes, x, weights):
+    """Node tensors, and tensors of special kinds met on the way."""
+    hs = [x]
+    for kind, inputs, weight in nodes:
+        hs.append(BLOCKS[kind][1](*[hs[i] for i in inputs], weights[weight]))
+    return hs
+
+
+def _special_tensors(graph_ops):
+    """An integer tensor and a multi-output sibling among the model's ops, if any."""
+    ints = [t for op in graph_ops for t in op.outputs if t.dtype == tf.int32
+            and op.type in ("ArgMax", "FloorMod")]
+    siblings = [op.outputs[1] for op in graph_ops if op.type == "Split"]
+    return {"indices": ints[-1:], "sibling": siblings[-1:]}
+
+
+def _build(problem):
+    nodes = problem["nodes"]
+
     def build(ctx, x):
-        weights = [ctx.variable(f"w{k}", np.random.RandomState(k).randn(3, 3) * 0.5)
+        weights = [ctx.variable(f"w{k}", np.random.RandomState(k).randn(WIDTH, WIDTH) * 0.4)
                    for k in range(NUM_WEIGHTS)]
-        hs = [x]
-        for kind, args in nodes:
-            if kind in UNARY:
-                hs.append(UNARY[kind](hs[args[0]]))
-            elif kind in BINARY:
-                hs.append(BINARY[kind](hs[args[0]], hs[args[1]]))
-            else:
-                hs.append(tf.matmul(hs[args[0]], weights[args[1]]))
-        consumed = {args[0] for _, args in nodes}
-        consumed |= {args[1] for kind, args in nodes if kind in BINARY}
+        unused = ctx.variable("unused", np.ones([WIDTH]))
+        before = len(tf.compat.v1.get_default_graph().get_operations())
+        hs = _forward(nodes, x, weights)
+        made = tf.compat.v1.get_default_graph().get_operations()[before:]
+        consumed = {i for _, inputs, _ in nodes for i in inputs}
         sinks = [h for i, h in enumerate(hs) if i not in consumed]
         ys = [tf.reduce_sum(h * float(i + 1)) for i, h in enumerate(sinks)]
-        xs = [x] + weights + ([hs[x_node]] if x_node else [])
-        return Model(ys=ys if separate_ys else [tf.add_n(ys)], xs=xs,
-                     kwargs={"stop_gradients": [hs[stop_node]]} if stop_node else {},
-                     lists={"drawn": [hs[i] for i in checkpoints]})
+        ys = ys if problem["separate_ys"] else [tf.add_n(ys)]
+        xs = [x] + weights + [hs[i] for i in problem["x_nodes"]]
+        xs += [unused] if problem["unconnected"] else []
+        special = _special_tensors(made)
+        listed = [hs[i] for i in problem["checkpoints"]]
+        for extra in sorted(problem["extra"]):
+            listed += {"x": [hs[i] for i in problem["x_nodes"][:1]], "y": ys[:1]}.get(
+                extra, special.get(extra, []))
+        grad_ys = ([tf.constant(1.5 + i, tf.float64) for i in range(len(ys))]
+                   if problem["grad_ys"] else None)
+        kwargs = {"stop_gradients": [hs[problem["stop_node"]]]} if problem["stop_node"] else {}
+        fetch = _second_order(ys, xs, grad_ys, listed, kwargs) if problem["second_order"] else {}
+        return Model(ys=ys, xs=xs, grad_ys=grad_ys, kwargs=kwargs, fetch=fetch,
+                     lists={"drawn": listed})
 
     return build
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(data=st.data())
-def test_random_dag_any_checkpoints_match_tf_gradients(data):
-    nodes = data.draw(dags(), label="nodes")
-    checkpoints = data.draw(st.sets(st.integers(0, len(nodes))), label="checkpoints")
-    x_node = data.draw(st.none() | st.integers(1, len(nodes)), label="intermediate x")
-    stop_node = data.draw(st.none() | st.integers(1, len(nodes)), label="stop_gradients")
-    separate_ys = data.draw(st.booleans(), label="one y per sink")
-    runtime = data.draw(st.sampled_from(RUNTIMES), label="runtime")
-    x = np.random.RandomState(len(nodes)).randn(3, 3)
-    build = _build_dag(nodes, sorted(checkpoints), x_node, stop_node, separate_ys)
-    outcome = gradients_vs_stock(runtime, build, {"x": x}, modes=("memory", "speed"))
-    assert_matches_stock(outcome, rtol=1e-9, atol=1e-12)
+def _second_order(ys, xs, grad_ys, listed, kwargs):
+    """Gradients of a penalty on the first-order gradients, stock vs ours."""
+    fetch = {}
+    for name, first in [("stock", stock_gradients(ys, xs, grad_ys, **kwargs)),
+                        ("ours", msg.gradients(ys, xs, grad_ys, checkpoints=listed, **kwargs))]:
+        dense = [tf.convert_to_tensor(g) for g in first if g is not None]
+        penalty = tf.add_n([tf.reduce_sum(tf.square(g)) for g in dense]) if dense else None
+        seconds = stock_gradients(penalty, xs[:3]) if penalty is not None else []
+        fetch.update({f"{name}_second{i}": tf.convert_to_tensor(g)
+                      for i, g in enumerate(seconds) if g is not None})
+    return fetch
+
+
+def _check(problem, runtime):
+    kinds = {kind for kind, _, _ in problem["nodes"]}
+    tolerance = max([1e-9] + [_LOW_PRECISION[k] for k in kinds if k in _LOW_PRECISION])
+    x = np.random.RandomState(len(problem["nodes"])).randn(4, WIDTH)
+    outcome = gradients_vs_stock(runtime, _build(problem), {"x": x}, modes=("memory", "speed"))
+    random = bool(kinds & _RANDOM)
+    assert_matches_stock(outcome, rtol=tolerance, atol=tolerance * 1e-3,
+                         forward_unchanged=not random)
+    for name in outcome.forward:
+        if name.startswith("ours_second"):
+            stock = outcome.forward[name.replace("ours", "stock")]
+            np.testing.assert_allclose(outcome.forward[name], stock, rtol=max(tolerance, 1e-7),
+                                       atol=max(tolerance, 1e-7) * 1e-3, err_msg=name)
+
+
+@given(problem=problems(), runtime=st.sampled_from(["session", "function"]))
+def test_random_models_any_checkpoints_match_tf_gradients(problem, runtime):
+    _check(problem, runtime)
+
+
+@pytest.mark.skipif(not os.environ.get(_XLA_CHILD), reason="run by the XLA test, in a subprocess")
+@settings(max_examples=max(5, settings.default.max_examples // 4))
+@given(problem=problems())
+def test_random_models_under_xla_in_this_process(problem):
+    _check(problem, "xla")
+
+
+def test_random_models_under_xla():
+    """The XLA examples, in a child process: XLA may abort a process on failure."""
+    node_id = f"{__file__}::test_random_models_under_xla_in_this_process"
+    child = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", node_id],
+        env={**os.environ, _XLA_CHILD: "1"}, capture_output=True, text=True, timeout=1500)
+    assert child.returncode == 0, child.stdout[-6000:] + child.stderr[-3000:]

@@ -10,7 +10,8 @@ Vocabulary used across the package:
   xs (variable reads, casts of weights) are parameter-sized and always kept.
 * recomputable: an op that may be copied and rerun with the same result.
 * pinned: activations that must be kept (outputs and activation inputs of
-  ops that cannot be recomputed, and xs inside the region).
+  ops that cannot be recomputed, among them the ops producing xs inside the
+  region).
 """
 
 from __future__ import annotations

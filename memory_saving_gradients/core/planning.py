@@ -96,26 +96,65 @@ def shared_tensors(model: GraphModel, checkpoints) -> set:
     return {t for t, ops in owners.items() if len(ops) > 1}
 
 
+def split_ops(model, checkpoints, segments, groups):
+    """Outputs of dropped ops that more than one tf.gradients call would differentiate.
+
+    The rewrite makes one call from the ys down to the checkpoints through the
+    original ops, then one per level through that level's copies. tf.gradients
+    sums an op's partial gradients before its gradient function sees them; an
+    op reached by two calls would see each part alone, and a gradient that is
+    not linear in the incoming one (a clipping custom gradient) gives
+    f(a) + f(b) instead of f(a + b). Such ops must be kept, so their parts are
+    summed first. `segments`: checkpoint -> (recomputed, read); `groups`: the
+    levels' checkpoint sets. Linear in the total size of the segments.
+    """
+    calls = {}  # op name -> the calls that would differentiate it
+    for t in _top_region(model, checkpoints):
+        calls.setdefault(model.op_of(t), set()).add(-1)
+    for number, group in enumerate(groups):
+        for c in group:
+            for t in segments[c][0] - checkpoints:
+                calls.setdefault(model.op_of(t), set()).add(number)
+    return {t for op, where in calls.items() if len(where) > 1 for t in model.op_outputs[op]
+            if model.tensors[t].is_float}
+
+
+def _top_region(model, checkpoints):
+    """Activations the first call (ys down to the checkpoints) walks through."""
+    seen = set()
+    stack = [y for y in model.ys if y not in checkpoints]
+    while stack:
+        t = stack.pop()
+        if t not in seen:
+            seen.add(t)
+            stack.extend(p for p in model.graph.predecessors(t) if p not in checkpoints)
+    return seen
+
+
 def make_plan(model: GraphModel, chosen: Iterable[str], strategy: str, notes=()) -> Plan:
     """Builds the Plan that keeps `chosen` plus the model's pinned tensors.
 
     Each checkpoint's segment is the ops between it and the nearest checkpoints
     above it. Checkpoints are grouped into levels (layers of the dependency
     order) so a level is recomputed only after every checkpoint that reads it
-    has sent its gradient. Linear in the model size per level.
+    has sent its gradient. Ops that two gradient calls would reach are kept
+    too (`split_ops`), a pass per round of additions (rarely more than one).
+    Linear in the model size per level and pass.
     """
     rank = {n: i for i, n in enumerate(model.order)}
     checkpoints = expand_to_ops(model, chosen) | set(model.pinned)
-    deps = {}
-    ops_of = {}
-    for c in checkpoints:
-        recomputed, deps[c] = segment(model, c, checkpoints)
-        ops_of[c] = {model.op_of(t) for t in recomputed}
+    while True:
+        segments = {c: segment(model, c, checkpoints) for c in checkpoints}
+        groups = _layers({c: read for c, (_, read) in segments.items()}, rank)
+        split = split_ops(model, checkpoints, segments, groups)
+        if not split:
+            break
+        checkpoints |= expand_to_ops(model, split)
     levels = []
-    for group in _layers(deps, rank):
+    for group in groups:
         owners = {}
         for c in group:
-            for op in ops_of[c]:
+            for op in {model.op_of(t) for t in segments[c][0]}:
                 owners.setdefault(op, []).append(c)
         op_rank = {op: min(rank[o] for o in model.op_outputs[op]) for op in owners}
         levels.append(Level(

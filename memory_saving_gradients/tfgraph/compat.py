@@ -7,6 +7,7 @@ function is a thin, named accessor; logic lives in the modules that call them.
 from __future__ import annotations
 
 import tensorflow as tf
+from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.eager import record
 from tensorflow.python.framework import op_def_registry
 from tensorflow.python.framework import ops as tf_ops
@@ -16,6 +17,7 @@ from tensorflow.python.ops import default_gradient
 from tensorflow.python.ops import gradients as gradients_module
 from tensorflow.python.ops import gradients_impl
 from tensorflow.python.ops import control_flow_v2_func_graphs
+from tensorflow.python.ops import handle_data_util
 from tensorflow.python.saved_model import save_context
 
 # Captured at import so that patching tf.gradients never makes us call ourselves.
@@ -96,6 +98,28 @@ def create_op_copy(graph: tf.Graph, op: tf.Operation, inputs: list) -> tf.Operat
 def orders_stateful_ops(graph: tf.Graph) -> bool:
     """True for a tf.function graph, which orders stateful ops in program order."""
     return getattr(graph, "_add_control_dependencies", False)
+
+
+def set_gradient_override(op: tf.Operation, gradient_name) -> None:
+    """Makes tf.gradients use the gradient registered as `gradient_name` for
+    `op` (None: its op type's own gradient again)."""
+    if gradient_name is None:
+        if "_gradient_op_type" in op.node_def.attr:
+            op._clear_attr("_gradient_op_type")  # pylint: disable=protected-access
+    else:
+        op._set_attr("_gradient_op_type",  # pylint: disable=protected-access
+                     attr_value_pb2.AttrValue(s=gradient_name.encode()))
+
+
+def copy_handle_data(source: tf.Tensor, target: tf.Tensor) -> None:
+    """Gives `target` the resource/TensorList handle data (dtype, shape) of `source`."""
+    handle_data_util.copy_handle_data(source, target)
+
+
+def set_parallel_iterations(loop: tf.Operation, count: int) -> None:
+    """Sets how many iterations of a While op may run at once."""
+    loop._set_attr("parallel_iterations",  # pylint: disable=protected-access
+                   attr_value_pb2.AttrValue(i=count))
 
 
 def tf1_optimizer_gradients_module():

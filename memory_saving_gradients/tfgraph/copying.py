@@ -12,17 +12,12 @@ import tensorflow as tf
 
 from memory_saving_gradients.core.planning import Level
 from memory_saving_gradients.tfgraph import compat
+from memory_saving_gradients.tfgraph import loop_chunks
 from memory_saving_gradients.tfgraph import loops
+# Re-exported: the rewrite and loop_chunks both read gradients' values.
+from memory_saving_gradients.tfgraph.gradient_waits import gradient_values
+from memory_saving_gradients.tfgraph.gradient_waits import is_numeric
 from memory_saving_gradients.tfgraph.reading import Reading
-
-
-def gradient_values(gradient):
-    """The dense values of a gradient (Tensor or IndexedSlices)."""
-    return gradient.values if isinstance(gradient, tf.IndexedSlices) else gradient
-
-
-def is_numeric(dtype: tf.DType) -> bool:
-    return dtype.is_floating or dtype.is_integer or dtype.is_complex
 
 
 def gate(gradients: list):
@@ -79,13 +74,16 @@ class Boundary:
         `level_gate` (see `gate`) exists once the level may start. XLA
         (jit_compile) drops the control inputs that make copies wait for it,
         then runs the copies early or merges them with their originals (CSE,
-        even through optimization barriers on CPU). So under XLA the stub also
-        reads the gate: a data dependency XLA must respect.
+        even through optimization barriers on CPU). So under XLA the stub of
+        a float tensor also reads the gate: a data dependency XLA must
+        respect. Integer tensors (shapes, indices) get none: they are small,
+        and XLA needs shapes as compile-time constants.
         """
         if not self.holds(tensor.name):
             return tensor
         if tensor.name not in stubs:
-            if self._xla and level_gate is not None and is_numeric(tensor.dtype):
+            if (self._xla and level_gate is not None
+                    and (tensor.dtype.is_floating or tensor.dtype.is_complex)):
                 stub = wait_for_gate(tensor, level_gate)
             else:
                 stub = tf.identity(tensor)
@@ -120,28 +118,15 @@ def copy_level(graph: tf.Graph, level: Level, seeds: dict, level_gate, stub) -> 
             with graph.control_dependencies(waits):
                 inputs = [tf.identity(i) for i in inputs]
             waits = []
-        with graph.control_dependencies(waits):
-            new = compat.create_op_copy(graph, op, inputs)
-        compat.set_device(new, op.device)
-        if new.type in loops.LOOP_OP_TYPES:
-            _give_own_loop_functions(new)
-        for old_t, new_t in zip(op.outputs, new.outputs):
+        if op.type in loops.LOOP_OP_TYPES:
+            outputs = loop_chunks.copy_loop(op, inputs)  # in chunks if it can
+        else:
+            with graph.control_dependencies(waits):
+                new = compat.create_op_copy(graph, op, inputs)
+            compat.set_device(new, op.device)
+            outputs = new.outputs
+        for old_t, new_t in zip(op.outputs, outputs):
             new_t.set_shape(old_t.shape)
             copies[old_t.name] = new_t
     return copies
 
-
-def _give_own_loop_functions(loop: tf.Operation) -> None:
-    """Gives a copied v2 while loop condition and body graphs of its own.
-
-    Differentiating a while loop makes its functions output per-iteration
-    accumulators, saved under the function's name + '_rewritten'. A copy
-    sharing the original's function names would clash with the original (or
-    another copy) being differentiated too, so it gets fresh names; while_v2
-    reads these graphs from the op (`_cond_graph`, `_body_graph`).
-    """
-    for part in ("cond", "body"):
-        name = loop.get_attr(part).name
-        func_graph = compat.while_function_graph(loop, name)
-        func_graph.name = f"{name}_recomputed_{compat.unique_id()}"
-        setattr(loop, f"_{part}_graph", func_graph)

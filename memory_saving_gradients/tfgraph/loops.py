@@ -11,7 +11,12 @@ of a recurrent network's memory. A rerun must see what the forward pass saw:
   gradient functions of inner loops); tf.gradients then raises or silently
   gives wrong gradients;
 * no variable it reads may be assigned between the forward pass and the
-  rerun, through any handle that may point to it (writers.py).
+  rerun, through any handle that may point to it (writers.py), including by
+  the body of another loop;
+* in a tf.compat.v1 graph run by a Session, it reads no variable at all: an
+  assign made after the `gradients` call (ordered after the loss only) may
+  run before the rerun, and ops made later cannot be seen or ordered here.
+  A tf.function orders such an assign after the rerun (program order).
 
 Anything else is kept, as any stateful op is.
 """
@@ -59,18 +64,20 @@ def assigned_meanwhile(loop: tf.Operation, found: writers.VariableWriters) -> bo
     in a tf.function writers of the very handle the loop reads made before
     it (tf.function orders those in program order when tracing ends). Any
     other writer may run between the forward pass and the rerun (e.g. a
-    GAN step that updates one model before differentiating the other).
+    GAN step that updates one model before differentiating the other). In a
+    Session graph, writers made after this call are unknown: always True.
     """
     handles = aliasing.resources(loop.inputs)
     if not handles:
         return False
+    if not compat.orders_stateful_ops(loop.graph):
+        return True
     names = {t.name for t in handles}
-    ordered = compat.orders_stateful_ops(loop.graph)
     initializers = found.initializers()
     for writer in found.of(handles):
         if writer is loop or writer in initializers:
             continue
-        if (ordered and compat.creation_id(writer) < compat.creation_id(loop)
+        if (compat.creation_id(writer) < compat.creation_id(loop)
                 and names & {t.name for t in writer.inputs}):
             continue
         if loop not in found.runs_after(writer):

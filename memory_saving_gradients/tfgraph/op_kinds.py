@@ -10,6 +10,7 @@ import math
 import tensorflow as tf
 
 from memory_saving_gradients.tfgraph import compat
+from memory_saving_gradients.tfgraph import effects
 from memory_saving_gradients.tfgraph import loops
 
 # Ops whose copies would not behave like the original (or could not be
@@ -41,8 +42,8 @@ def is_recomputable(op: tf.Operation, rerunnable_loops=frozenset()) -> bool:
         return False  # inside a tf.compat.v1 while/cond body
     if op.type in loops.LOOP_OP_TYPES:
         return op in rerunnable_loops
-    if op.type in CONTROL_FLOW_OP_TYPES or op.op_def.is_stateful:
-        return False
+    if op.type in CONTROL_FLOW_OP_TYPES or not effects.reruns_identically(op.op_def):
+        return False  # side effects, hidden state or random draws
     if compat.is_function_op(op):
         return False  # call of a graph function by its own op type
     tensors = list(op.inputs) + list(op.outputs)

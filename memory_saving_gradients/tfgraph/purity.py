@@ -9,6 +9,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from memory_saving_gradients.tfgraph import compat
+from memory_saving_gradients.tfgraph import effects
 
 # Stateful ops that only read a variable: rerunning them gives the same value
 # as long as nothing assigns the variable in between.
@@ -35,8 +36,8 @@ def called_functions(node) -> list:
 
 
 def stateless_or_read(op_type: str) -> bool:
-    """True if a registered op type has no side effect beyond reading a variable."""
-    return op_type in READ_OP_TYPES or not compat.op_def(op_type).is_stateful
+    """True if a registered op type reruns identically or only reads a variable."""
+    return op_type in READ_OP_TYPES or effects.reruns_identically(compat.op_def(op_type))
 
 
 def function_nodes(graph: tf.Graph, name: str):

@@ -23,6 +23,9 @@ from memory_saving_gradients.tfgraph import loops
 from memory_saving_gradients.tfgraph import op_kinds
 from memory_saving_gradients.tfgraph import workspace
 
+# Sources of the back edges of tf.compat.v1 while loops.
+_BACK_EDGE_OP_TYPES = frozenset({"NextIteration", "RefNextIteration"})
+
 
 @dataclasses.dataclass(frozen=True)
 class Reading:
@@ -74,8 +77,7 @@ class DataTensors:
 def region_ops(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor]) -> list:
     """Ops that depend on some x and that some y depends on, in topological order.
 
-    Linear in the size of the graph. Ops are created after their inputs, so op
-    creation order is topological (loop back edges aside, which we never copy).
+    Linear in the size of the graph.
     """
     reached = set()
     stack = [c for x in xs for c in x.consumers()]
@@ -91,7 +93,34 @@ def region_ops(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor]) -> list:
         if op in reached and op not in between:
             between.add(op)
             stack.extend(i.op for i in op.inputs)
-    return sorted(between, key=compat.creation_id)
+    return topological_order(between)
+
+
+def topological_order(ops: set) -> list:
+    """`ops` ordered so that each comes after the ops among them it reads.
+
+    Creation order almost is one, but not in tf.compat.v1 conds: an op in a
+    branch is made before the Switch that feeds it. So a depth-first search
+    over data edges puts inputs first, visiting ops in creation order (which
+    it keeps where it is topological already). The back edges of
+    tf.compat.v1 while loops (NextIteration -> Merge) are not followed.
+    Linear in the number of ops and edges.
+    """
+    done = set()
+    order = []
+    for root in sorted(ops, key=compat.creation_id):
+        stack = [(root, False)]
+        while stack:
+            op, inputs_done = stack.pop()
+            if inputs_done:
+                order.append(op)
+            elif op not in done:
+                done.add(op)
+                stack.append((op, True))
+                stack.extend((i.op, False) for i in reversed(op.inputs)
+                             if i.op in ops and i.op not in done
+                             and i.op.type not in _BACK_EDGE_OP_TYPES)
+    return order
 
 
 def unit_inputs(ops: Sequence[tf.Operation]) -> dict:
@@ -153,7 +182,11 @@ def build_model(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor]) -> Reading:
             other_bytes += sum(op_kinds.tensor_bytes(o) for o in op.outputs)
             continue
         _record_backprop(op, inputs[op], activations, region, backprop)
-        recomputable = op_kinds.is_recomputable(op, rerunnable)
+        # An x's own op is differentiated as it is: the gradients below it
+        # must read the x itself, or a gradient of them (second order) would
+        # miss their dependence on that x.
+        recomputable = (op_kinds.is_recomputable(op, rerunnable)
+                        and not any(o.name in x_names for o in op.outputs))
         cost = op_kinds.op_cost(op)
         op_outputs[op.name] = tuple(o.name for o in outs)
         act_inputs = [i.name for i in inputs[op] if i.name in activations]

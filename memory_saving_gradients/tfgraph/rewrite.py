@@ -26,6 +26,7 @@ from memory_saving_gradients.core.planning import Level
 from memory_saving_gradients.core.planning import Plan
 from memory_saving_gradients.tfgraph import compat
 from memory_saving_gradients.tfgraph import copying
+from memory_saving_gradients.tfgraph import loop_chunks
 from memory_saving_gradients.tfgraph.ledger import GradientLedger
 from memory_saving_gradients.tfgraph.reading import Reading
 
@@ -33,11 +34,14 @@ from memory_saving_gradients.tfgraph.reading import Reading
 def backprop(reading: Reading, plan: Plan, ys, xs, grad_ys, stop_gradients, tf_kwargs,
              unconnected) -> list:
     """Gradients of `ys` with respect to `xs` under `plan`. Returns a list."""
-    run = _Backprop(reading, plan, xs, stop_gradients, tf_kwargs, ys[0].graph)
-    run.to_checkpoints(ys, grad_ys)
-    for number, level in reversed(list(enumerate(plan.levels))):
-        run.through_level(number, level)
-    run.to_xs()
+    graph = ys[0].graph
+    run = _Backprop(reading, plan, xs, stop_gradients, tf_kwargs, graph)
+    # Loops differentiated where they are (not copied) are rerun in chunks too.
+    with loop_chunks.chunked_gradients(loop_chunks.rerunnable_in(graph, reading.region)):
+        run.to_checkpoints(ys, grad_ys)
+        for number, level in reversed(list(enumerate(plan.levels))):
+            run.through_level(number, level)
+        run.to_xs()
     return run.results(unconnected)
 
 

@@ -14,8 +14,6 @@ from memory_saving_gradients.tfgraph import purity
 
 # Ops that run Python, which may assign any variable without taking its handle.
 _PYTHON_OP_TYPES = frozenset({"PyFunc", "EagerPyFunc"})
-# v2 loops are judged by loops.py itself (a loop that writes is never rerun).
-_LOOP_OP_TYPES = frozenset({"While", "StatelessWhile"})
 
 
 def _may_write(op: tf.Operation, functions: purity.FunctionPurity) -> bool:
@@ -49,7 +47,8 @@ class VariableWriters:
 
     def _add_writers(self, ops: list) -> None:
         for op in ops:
-            if op.type not in _LOOP_OP_TYPES and _may_write(op, self.functions):
+            # Loops too: a loop whose body assigns a variable writes it.
+            if _may_write(op, self.functions):
                 handles = [t.name for t in aliasing.resources(op.inputs)]
                 self._writers.append((op, handles or None))
 

@@ -1,0 +1,134 @@
+"""One long recurrent loop: activation memory and step time against T.
+
+    python -m benchmarks.long_loop                      # T=1000, LSTM(256), batch 32
+    python -m benchmarks.long_loop --steps 100,250,500,1000,2000,4000 --plot
+
+A single Keras LSTM over T time steps (one v2 while loop), its weight
+gradients computed by tf.gradients, by tf.recompute_grad around the layer
+(under a tape) and by ours (checkpoints='memory', which reruns the loop in
+chunks of ~sqrt(T) steps). Each T runs in a fresh process that measures all
+methods side by side, alternating calls: activation memory is the allocator
+peak of a call (memory_saving_gradients.function_peak_bytes) minus the weight
+gradients it returns; time is the median call. Writes
+results/long_loop.json and, with --plot, results/long_loop.png.
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import time
+
+RESULTS = pathlib.Path(__file__).parent / "results"
+METHODS = ("tf.gradients", "tf.recompute_grad", "ours")
+
+
+def measure(steps, units, batch, features, calls):
+    """{method: {activation_bytes, step_s}} for one T, in this process."""
+    os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "1")
+    import keras
+    import numpy as np
+    import tensorflow as tf
+    from tensorflow.python.ops import gradients_impl
+    import memory_saving_gradients as msg
+
+    keras.utils.set_random_seed(0)
+    lstm = keras.layers.LSTM(units)
+    x = tf.constant(np.random.RandomState(0).randn(batch, steps, features).astype("float32"))
+    lstm(x[:, :2])
+    weights = [w.value for w in lstm.trainable_weights]
+    loss = lambda h: tf.reduce_sum(tf.square(h))  # noqa: E731
+
+    steps_fns = {
+        "tf.gradients": lambda x: gradients_impl.gradients(loss(lstm(x)), weights),
+        "ours": lambda x: msg.gradients(loss(lstm(x)), weights, checkpoints="memory"),
+    }
+
+    def recompute(x):
+        with tf.GradientTape() as tape:
+            value = loss(tf.recompute_grad(lstm)(x))
+        return tape.gradient(value, weights)
+    steps_fns["tf.recompute_grad"] = recompute
+    functions = {name: tf.function(steps_fns[name]) for name in METHODS}
+    reference = [g.numpy() for g in functions["tf.gradients"](x)]
+    grad_bytes = sum(g.nbytes for g in reference)
+    peaks, times = {m: [] for m in METHODS}, {m: [] for m in METHODS}
+    for name, fn in functions.items():
+        for ours, ref in zip(fn(x), reference):  # warm-up, and the gradient check
+            np.testing.assert_allclose(ours.numpy(), ref, rtol=2e-3, atol=1e-4 * abs(ref).max())
+    for _ in range(calls):
+        for name, fn in functions.items():
+            start = time.perf_counter()
+            peak, _ = msg.function_peak_bytes(fn, x)
+            times[name].append(time.perf_counter() - start)
+            peaks[name].append(peak)
+    return {name: {"activation_bytes": max(peaks[name]) - grad_bytes,
+                   "step_s": statistics.median(times[name])} for name in METHODS}
+
+
+def run(steps_list, units, batch, features, calls):
+    rows = []
+    for steps in steps_list:
+        out = subprocess.run(
+            [sys.executable, "-m", "benchmarks.long_loop", "--worker", "--steps", str(steps),
+             "--units", str(units), "--batch", str(batch), "--features", str(features),
+             "--calls", str(calls)], capture_output=True, text=True, check=True)
+        result = json.loads(out.stdout.strip().splitlines()[-1])
+        base = result["tf.gradients"]
+        for name, value in result.items():
+            rows.append({"steps": steps, "method": name, **value,
+                         "memory_ratio": value["activation_bytes"] / base["activation_bytes"],
+                         "time_ratio": value["step_s"] / base["step_s"]})
+            print(f"T={steps:5d} {name:18s} activation {value['activation_bytes'] / 2**20:8.1f} "
+                  f"MiB ({rows[-1]['memory_ratio']:.2f})  step {value['step_s']:.2f} s "
+                  f"({rows[-1]['time_ratio']:.2f}x)", flush=True)
+    return rows
+
+
+def plot(rows, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name in METHODS:
+        mine = [r for r in rows if r["method"] == name]
+        ax.plot([r["steps"] for r in mine], [r["activation_bytes"] / 2**20 for r in mine],
+                marker="o", label=name)
+    ax.set_xlabel("time steps T")
+    ax.set_ylabel("activation memory (MiB)")
+    ax.set_title("one Keras LSTM: memory of a training step's gradients")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", default="1000", help="comma-separated T values")
+    parser.add_argument("--units", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--features", type=int, default=32)
+    parser.add_argument("--calls", type=int, default=3)
+    parser.add_argument("--plot", action="store_true")
+    parser.add_argument("--out", default="long_loop")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    steps_list = [int(s) for s in args.steps.split(",")]
+    if args.worker:
+        print(json.dumps(measure(steps_list[0], args.units, args.batch, args.features,
+                                 args.calls)))
+        return
+    rows = run(steps_list, args.units, args.batch, args.features, args.calls)
+    RESULTS.mkdir(exist_ok=True)
+    meta = {"units": args.units, "batch": args.batch, "features": args.features,
+            "calls": args.calls}
+    (RESULTS / f"{args.out}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    if args.plot:
+        plot(rows, RESULTS / f"{args.out}.png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+"""How many iterations of a long loop to rerun at a time (no TensorFlow).
+
+Rerunning a T-iteration loop in chunks of k keeps ceil(T/k) carried states
+(the chunk boundaries) plus one chunk's per-iteration intermediates:
+memory(k) = ceil(T/k) * state_bytes + k * step_bytes, least near
+k = sqrt(T * state_bytes / step_bytes). With equal sizes that is k = sqrt(T),
+about 2 * sqrt(T) states instead of T.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+def chunk_size(trip_count: int, state_bytes: int = 1, step_bytes: int = 1) -> int:
+    """The k in 1..trip_count that minimises `chunked_bytes`.
+
+    Example: chunk_size(1000) == 31; chunk_size(1000, 1, 4) == 15.
+    """
+    if trip_count <= 1:
+        return max(trip_count, 1)
+    best = math.sqrt(trip_count * max(state_bytes, 1) / max(step_bytes, 1))
+    candidates = {min(max(int(k), 1), trip_count) for k in (math.floor(best), math.ceil(best))}
+    return min(sorted(candidates),
+               key=lambda k: chunked_bytes(trip_count, k, state_bytes, step_bytes))
+
+
+def chunked_bytes(trip_count: int, size: int, state_bytes: int, step_bytes: int) -> int:
+    """Predicted peak of a loop's gradient when rerun in chunks of `size`."""
+    return math.ceil(trip_count / size) * state_bytes + size * step_bytes

@@ -1,0 +1,190 @@
+"""Checkpointing inside one while loop (tfgraph/loop_chunks.py).
+
+A rerunnable loop with a known bound is rerun in chunks during backprop; its
+gradients must equal tf.gradients' whatever the chunk size, and its peak
+memory must drop (design.md section 4).
+"""
+
+import logging
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import memory_saving_gradients as msg
+from harness import Model
+from harness import assert_matches_stock
+from harness import gradients_vs_stock
+from harness import stock_gradients
+from memory_saving_gradients.tfgraph import loop_chunks
+
+
+def _normal(shape, scale=1.0, seed=0):
+    return (np.random.RandomState(seed).randn(*shape) * scale).astype(np.float32)
+
+
+def _chunk_loops(graph):
+    """Loops that got our chunk gradient (all chunks but each loop's last)."""
+    return [op for op in graph.get_operations()
+            if op.type in ("While", "StatelessWhile")
+            and op.node_def.attr["_gradient_op_type"].s == loop_chunks.CHUNK_GRADIENT.encode()]
+
+
+@pytest.fixture
+def chunk_size(monkeypatch):
+    """Sets the chunk size the rewrite uses: `chunk_size(k)`."""
+    return lambda k: monkeypatch.setattr(loop_chunks, "choose_chunk_size", lambda loop, bound: k)
+
+
+def _lstm_like(ctx, x, bounded=True):
+    """A hand-written RNN: two carried states, a TensorArray of outputs, weights
+    read in the body; bounded by maximum_iterations (as Keras and tf.scan do)."""
+    steps = x.shape[1]
+    w = ctx.variable("w", _normal((3, 5), 0.5, seed=1))
+    u = ctx.variable("u", _normal((5, 5), 0.4, seed=2))
+
+    def body(t, h, c, outs):
+        c = 0.5 * c + tf.tanh(tf.matmul(x[:, t], w) + tf.matmul(h, u))
+        h = tf.sigmoid(c) * tf.tanh(c)
+        return t + 1, h, c, outs.write(t, h)
+
+    zeros = tf.zeros([x.shape[0], 5])
+    _, h, c, outs = tf.while_loop(
+        lambda t, *_: t < steps, body,
+        [tf.constant(0), zeros, zeros, tf.TensorArray(tf.float32, steps)],
+        maximum_iterations=steps if bounded else None)
+    y = tf.reduce_sum(tf.square(outs.stack())) + tf.reduce_sum(h * c)
+    return Model(ys=[y], xs=[x, w, u])
+
+
+@pytest.mark.parametrize("steps,size,chunked", [
+    (6, 2, 2),   # 3 chunks, the last differentiated by the stock gradient
+    (7, 3, 2),   # 3 + 3 + 1: the size does not divide T
+    (1, 1, 0),   # one iteration: nothing to split
+])
+def test_hand_written_rnn_matches_stock(runtime, chunk_size, steps, size, chunked):
+    chunk_size(size)
+    outcome = gradients_vs_stock(runtime, _lstm_like, {"x": _normal((2, steps, 3))},
+                                 modes=("memory",))
+    assert_matches_stock(outcome)
+    assert len(_chunk_loops(outcome.graph)) == chunked
+
+
+def test_loop_stopped_early_by_its_condition(chunk_size):
+    """The condition ends the loop before its bound: the chunks run exactly the
+    iterations the original ran (the later ones none)."""
+    chunk_size(2)
+
+    def build(ctx, x):
+        w = ctx.variable("w", _normal((4, 4), 0.5, seed=3))
+        _, h = tf.while_loop(lambda t, h: tf.reduce_sum(h) < 40.0,
+                             lambda t, h: (t + 1, h + tf.exp(tf.matmul(h, w) * 0.1)),
+                             [tf.constant(0), x], maximum_iterations=9)
+        return Model(ys=[tf.reduce_sum(tf.sin(h))], xs=[x, w])
+
+    outcome = gradients_vs_stock("function", build, {"x": _normal((2, 4), 0.1)},
+                                 modes=("memory",))
+    assert_matches_stock(outcome)
+    assert len(_chunk_loops(outcome.graph)) == 4
+
+
+def test_unbounded_loop_is_rerun_whole_and_says_why(chunk_size, caplog):
+    chunk_size(2)
+    with caplog.at_level(logging.INFO, logger="memory_saving_gradients"):
+        outcome = gradients_vs_stock(
+            "function", lambda ctx, x: _lstm_like(ctx, x, bounded=False),
+            {"x": _normal((2, 6, 3))}, modes=("memory",))
+    assert_matches_stock(outcome)
+    assert not _chunk_loops(outcome.graph)
+    assert "trip count is not known" in caplog.text
+
+
+def test_scan(runtime, chunk_size):
+    chunk_size(3)
+
+    def build(ctx, x):
+        w = ctx.variable("w", _normal((4, 4), 0.5, seed=4))
+        hs = tf.scan(lambda h, xt: tf.tanh(tf.matmul(h, w) + xt), x,
+                     initializer=tf.zeros([2, 4]))
+        return Model(ys=[tf.reduce_sum(tf.square(hs))], xs=[x, w])
+
+    outcome = gradients_vs_stock(runtime, build, {"x": _normal((8, 2, 4))},
+                                 modes=("memory",))
+    assert_matches_stock(outcome)
+    assert len(_chunk_loops(outcome.graph)) == 2
+
+
+def test_keras_recurrent_layers(chunk_size):
+    import keras
+    chunk_size(3)
+    keras.utils.set_random_seed(0)
+    layers = [keras.layers.LSTM(6, return_sequences=True),
+              keras.layers.GRU(5, return_sequences=True),
+              keras.layers.SimpleRNN(4)]
+
+    def build(ctx, x):
+        h = x
+        for layer in layers:
+            h = layer(h)
+        weights = [w.value for layer in layers for w in layer.trainable_weights]
+        return Model(ys=[tf.reduce_sum(tf.square(h))], xs=[x] + weights)
+
+    outcome = gradients_vs_stock("function", build, {"x": _normal((2, 7, 3))},
+                                 modes=("memory",))
+    assert_matches_stock(outcome)
+    assert len(_chunk_loops(outcome.graph)) == 2 * len(layers)  # 3 + 3 + 1 steps each
+
+
+def test_long_loop_keeps_a_fraction_of_stock_memory():
+    """T = 400 steps of a [16, 256] state: tf.gradients keeps every step's
+    intermediates; chunks of 20 keep 20 states and one chunk's intermediates."""
+    steps, batch, units = 400, 16, 256
+    w = tf.Variable(_normal((units, units), 1.0 / np.sqrt(units), seed=5))
+    x = tf.constant(_normal((batch, units), 0.5))
+
+    def loss(x):
+        _, h = tf.while_loop(
+            lambda t, h: t < steps,
+            lambda t, h: (t + 1, tf.tanh(tf.matmul(h, w)) * tf.sigmoid(h) + 0.5 * h),
+            [tf.constant(0), x], maximum_iterations=steps)
+        return tf.reduce_sum(tf.square(h))
+
+    @tf.function
+    def stock(x):
+        return stock_gradients(loss(x), [w])
+
+    @tf.function
+    def ours(x):
+        return msg.gradients(loss(x), [w], checkpoints="memory")
+
+    np.testing.assert_allclose(ours(x)[0], stock(x)[0], rtol=1e-4, atol=1e-6)
+    gradient_bytes = units * units * 4  # the output, not activation memory
+    stock_peak, _ = msg.function_peak_bytes(stock, x)
+    ours_peak, _ = msg.function_peak_bytes(ours, x)
+    ratio = (ours_peak - gradient_bytes) / (stock_peak - gradient_bytes)
+    assert ratio <= 0.3, (ours_peak, stock_peak)
+
+
+def test_checkpoint_plan_shows_each_loops_chunk_size():
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [2, 4])
+        w = tf.Variable(_normal((4, 4), 0.5))
+        bounded = tf.while_loop(lambda t, h: t < 100, lambda t, h: (t + 1, tf.tanh(h @ w)),
+                                [0, x], maximum_iterations=100, name="bounded")[1]
+        unbounded = tf.while_loop(lambda t, h: t < 100, lambda t, h: (t + 1, tf.tanh(h @ w)),
+                                  [0, bounded], name="unbounded")[1]
+        plan = msg.checkpoint_plan(tf.reduce_sum(unbounded), [w])
+    notes = "\n".join(plan.notes)
+    assert "loop bounded: rerun in chunks of 10 of its at most 100" in notes
+    assert "loop unbounded: rerun whole: its trip count is not known" in notes
+
+
+def test_chunk_size_balances_saved_states_and_one_chunk():
+    from memory_saving_gradients.core.loop_chunking import chunk_size, chunked_bytes
+    assert chunk_size(1) == 1
+    assert chunk_size(100) == 10
+    assert chunk_size(100, state_bytes=1, step_bytes=4) == 5  # big steps: short chunks
+    for trip, state, step in [(1000, 1, 1), (37, 3, 5), (4000, 10, 1)]:
+        best = min(chunked_bytes(trip, k, state, step) for k in range(1, trip + 1))
+        assert chunked_bytes(trip, chunk_size(trip, state, step), state, step) == best
