@@ -32,6 +32,7 @@ import tensorflow as tf
 
 from memory_saving_gradients import api
 from memory_saving_gradients.integrations import patching
+from memory_saving_gradients.tfgraph import captures, compat
 
 logger = logging.getLogger("memory_saving_gradients")
 
@@ -74,7 +75,7 @@ def recompute_enabled() -> bool:
 # Decorated calls being built on this thread. Inside one, nested decorated
 # layers build plainly: the outer segment recomputes them anyway.
 _building = threading.local()
-_warned_eager = []
+_logged = set()  # messages logged once per process
 
 
 def recompute_grad(call: Callable) -> Callable:
@@ -106,14 +107,31 @@ def recompute_grad(call: Callable) -> Callable:
                 f"@recompute_grad decorates the call method of a keras.layers.Layer "
                 f"subclass, but {call.__qualname__} was called on a "
                 f"{type(self).__name__}; subclass keras.layers.Layer")
-        if not recompute_enabled() or getattr(_building, "depth", 0):
-            return call(self, *args, **kwargs)
-        if tf.executing_eagerly():
-            _warn_eager_once()
+        if not recompute_enabled() or getattr(_building, "depth", 0) or _builds_plainly(self):
             return call(self, *args, **kwargs)
         return _call_as_segment(call, self, args, kwargs)
 
     return recomputed_call
+
+
+def _builds_plainly(layer: keras.layers.Layer) -> bool:
+    """True where a segment cannot be built though the switch is on (said once)."""
+    if tf.executing_eagerly():
+        _log_once("@recompute_grad layers run eagerly (run_eagerly=True?) and are "
+                  "not recomputed: recomputation rewrites a graph; train in a "
+                  "tf.function (Keras's default) to save memory")
+        return True
+    if compat.in_control_flow_body(tf.compat.v1.get_default_graph()):
+        # The loop's or cond's gradient is built in a graph of its own (from a
+        # rebuilt copy of this body when our rewrite copies the loop), where
+        # the tensors our gradient would read do not exist.
+        _log_once(f"{type(layer).__name__}: @recompute_grad layers called inside a "
+                  f"while loop or cond (an RNN cell?) are not recomputed; decorate "
+                  f"the layer holding the loop instead")
+        return True
+    # SavedModel traces every custom gradient in a graph of its own, where the
+    # body's tensors do not exist; a saved model needs no recomputation.
+    return compat.in_save_context()
 
 
 def _check_is_call_method(obj) -> None:
@@ -136,13 +154,10 @@ def _check_is_call_method(obj) -> None:
             f"checkpoints instead")
 
 
-def _warn_eager_once() -> None:
-    if not _warned_eager:
-        _warned_eager.append(True)
-        logger.warning(
-            "memory_saving_gradients: @recompute_grad layers run eagerly "
-            "(run_eagerly=True?) and are not recomputed: recomputation rewrites a "
-            "graph; train in a tf.function (Keras's default) to save memory")
+def _log_once(message: str) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        logger.warning("memory_saving_gradients: %s", message)
 
 
 def _is_differentiable_input(value) -> bool:
@@ -170,10 +185,10 @@ def _call_as_segment(call: Callable, layer: keras.layers.Layer, args: tuple,
             outputs = call(layer, *call_args, **call_kwargs)
         finally:
             _building.depth -= 1
-        body_ops = set(graph.get_operations()[first_op:])
+        body_ops = graph.get_operations()[first_op:]  # in creation order
 
         def gradient(*output_grads, variables: Optional[list] = None):
-            grads = _recomputed_gradients(outputs, body_ops, inputs, variables or [],
+            grads = _recomputed_gradients(graph, outputs, body_ops, inputs, variables or [],
                                           output_grads)
             input_grads = grads[:len(inputs)]
             return (input_grads, grads[len(inputs):]) if variables else input_grads
@@ -183,14 +198,67 @@ def _call_as_segment(call: Callable, layer: keras.layers.Layer, args: tuple,
     return segment(*[leaves[i] for i in slots])
 
 
-def _recomputed_gradients(outputs, body_ops: set, inputs: tuple, variables: list,
+def _recomputed_gradients(graph, outputs, body_ops: list, inputs: tuple, variables: list,
                           output_grads: tuple) -> list:
     """Gradients of the inputs then variables, recomputing the body from them.
 
     The body's float outputs are the only checkpoints, so everything between
     them and the inputs is one segment, copied to wait for `output_grads`.
+    A variable gets the gradient of its reads inside the body only: reads
+    outside it (feeding the inputs, or another call of the same layer) get
+    theirs from the tape, and differentiating down to the variable itself
+    would count them a second time.
     """
-    ys = tf.nest.flatten(outputs)
-    checkpoints = [y for y in ys if y.op in body_ops and y.dtype.is_floating]
-    return api.gradients(ys, list(inputs) + list(variables), grad_ys=list(output_grads),
-                         checkpoints=checkpoints)
+    readers = [_readers_in_body(graph, body_ops, variable) for variable in variables]
+    read_values = [t for _, ops in readers for op in ops for t in op.outputs]
+    xs = list(inputs) + read_values
+    # Outputs that depend on no x (constants, ints) get no gradient through.
+    reached = _reached_from(xs, body_ops)
+    pairs = [(y, g) for y, g in zip(tf.nest.flatten(outputs), output_grads)
+             if id(y) in reached and y.dtype.is_floating and g is not None]
+    grads = [None] * len(xs)
+    if pairs:
+        ys, grad_ys, body = [y for y, _ in pairs], [g for _, g in pairs], set(body_ops)
+        grads = api.gradients(ys, xs, grad_ys=grad_ys,
+                              checkpoints=[y for y in ys if y.op in body])
+    grad_of = dict(zip(map(id, read_values), grads[len(inputs):]))
+    return grads[:len(inputs)] + [_variable_gradient(graph, handle, ops, grad_of)
+                                  for handle, ops in readers]
+
+
+def _reached_from(sources: list, body_ops: list) -> set:
+    """ids of the sources and of the outputs of body ops depending on one (O(body))."""
+    reached = {id(t) for t in sources}
+    for op in body_ops:
+        if any(id(t) in reached for t in op.inputs):
+            reached.update(id(t) for t in op.outputs)
+    return reached
+
+
+def _readers_in_body(graph, body_ops: list, variable) -> tuple:
+    """The variable's handle in the body's graph and the body's ops reading it."""
+    handle = captures.local_tensor(graph, variable.handle)
+    ops = [op for op in body_ops
+           if op.outputs and any(t is handle for t in op.inputs)] if handle is not None else []
+    return handle, ops
+
+
+def _variable_gradient(graph, handle, readers: list, grad_of: dict):
+    """The sum of each reader's own gradient to `handle`, given its outputs' gradients.
+
+    Stock tf.gradients from a reader's outputs to the handle runs that one
+    op's gradient (a read passes it on, a gather makes IndexedSlices).
+    """
+    parts = []
+    for op in readers:
+        reached = [t for t in op.outputs if grad_of[id(t)] is not None]
+        if reached:
+            parts += compat.stock_gradients(reached, [handle],
+                                            grad_ys=[grad_of[id(t)] for t in reached])
+    parts = [part for part in parts if part is not None]
+    if len(parts) <= 1:
+        return parts[0] if parts else None
+    if all(isinstance(part, tf.IndexedSlices) for part in parts):
+        return tf.IndexedSlices(tf.concat([p.values for p in parts], 0),
+                                tf.concat([p.indices for p in parts], 0), parts[0].dense_shape)
+    return tf.add_n([tf.convert_to_tensor(part) for part in parts])

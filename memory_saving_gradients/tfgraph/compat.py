@@ -16,7 +16,9 @@ from tensorflow.python.ops import control_flow_util_v2
 from tensorflow.python.ops import default_gradient
 from tensorflow.python.ops import gradients as gradients_module
 from tensorflow.python.ops import gradients_impl
+from tensorflow.python.ops import control_flow_v2_func_graphs
 from tensorflow.python.ops import handle_data_util
+from tensorflow.python.saved_model import save_context
 
 # Captured at import so that patching tf.gradients never makes us call ourselves.
 stock_gradients = gradients_impl.gradients
@@ -132,3 +134,12 @@ def tf1_optimizer_gradients_module():
 def any_tape_recording() -> bool:
     """True while any GradientTape or ForwardAccumulator could record new ops."""
     return record.could_possibly_record()
+
+
+def in_control_flow_body(graph: tf.Graph) -> bool:
+    """True for the graph of a v2 while loop's body/condition or a cond branch."""
+    return isinstance(graph, control_flow_v2_func_graphs.ControlFlowFuncGraph)
+
+def in_save_context() -> bool:
+    """True while tf.saved_model.save traces the functions it writes."""
+    return save_context.in_save_context()
