@@ -12,6 +12,7 @@ integrations/tape.py), and put the originals back.
 
 import contextlib
 import functools
+import inspect
 
 import tensorflow as tf
 
@@ -33,11 +34,23 @@ def patch_tf_gradients(checkpoints="memory") -> None:
     """
     api.validate_checkpoints(checkpoints)
     tape.install(active_checkpoints)
-    replacement = tf.autograph.experimental.do_not_convert(
-        functools.partial(api.gradients, checkpoints=checkpoints))
-    _saved.append((checkpoints, [getattr(module, name) for module, name in _TARGETS]))
-    for module, name in _TARGETS:
-        setattr(module, name, replacement)
+    originals = [getattr(module, name) for module, name in _TARGETS]
+    _saved.append((checkpoints, originals))
+    for (module, name), original in zip(_TARGETS, originals):
+        setattr(module, name, _replacement(original, checkpoints))
+
+
+def _replacement(original, checkpoints):
+    """api.gradients taking `original`'s arguments, positional ones included
+    (tf.gradients and tf.compat.v1.gradients differ after `name`)."""
+    signature = inspect.signature(original)
+
+    @tf.autograph.experimental.do_not_convert
+    @functools.wraps(original)
+    def gradients(*args, **kwargs):
+        return api.gradients(**signature.bind(*args, **kwargs).arguments,
+                             checkpoints=checkpoints)
+    return gradients
 
 
 def unpatch_tf_gradients() -> None:
