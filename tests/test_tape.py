@@ -240,3 +240,69 @@ def test_tf1_optimizer_follows_the_patch():
             sess.run(tf.compat.v1.global_variables_initializer())
             a, b = sess.run([stock, ours], {x: X.numpy()})
     np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+
+
+@tf.RegisterGradient("TapeTestDoubledTanh")
+def _doubled_tanh_grad(op, grad):
+    return 2.0 * grad * (1.0 - op.outputs[0] ** 2)
+
+
+def _imported_tanh():
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.tanh(tf.compat.v1.placeholder(tf.float32, [4, 8], name="p"), name="t")
+    return graph.as_graph_def()
+
+
+def _unrecorded_case(case, w, u):
+    """A step whose tape did not record (as stock sees it) an op the rewrite would follow."""
+    def step(x):
+        xx = tf.identity(x)
+        with tf.GradientTape(watch_accessed_variables=case != "watch_variable_late") as tape:
+            h = _chain(xx, w, depth=2)
+            if case == "watch_tensor_late":
+                tape.watch(xx)
+            if case == "watch_variable_late":
+                tape.watch([w, u])
+            if case == "stop_gradient":
+                h = tf.stop_gradient(h) + h
+            if case == "override_map":
+                with tf.compat.v1.get_default_graph().gradient_override_map(
+                        {"Tanh": "TapeTestDoubledTanh"}):
+                    h = tf.tanh(h)
+            if case == "import_graph_def":
+                h, = tf.graph_util.import_graph_def(_imported_tanh(), input_map={"p:0": h},
+                                                    return_elements=["t:0"])
+            y = tf.reduce_sum(_chain(h + xx, w) * u)
+        if case == "row_output_gradients":
+            return tape.gradient(tf.tanh(w) * w, w, output_gradients=tf.ones([1, 8]))
+        return tape.gradient(y, [xx, w, u] if case == "watch_tensor_late" else [w, u])
+    return step
+
+
+@pytest.mark.parametrize("case", ["watch_tensor_late", "watch_variable_late", "stop_gradient",
+                                  "override_map", "import_graph_def", "row_output_gradients"])
+def test_what_the_tape_did_not_record_falls_back(weights, caplog, case):
+    """Watch after use, tape paused by stop_gradient, gradient_override_map, imported ops,
+    broadcast output_gradients: stock's answer, with the reason logged."""
+    _vs_stock(_unrecorded_case(case, *weights), [X], caplog, expect_ours=False)
+
+
+def test_checkpoint_list_off_the_call_path_falls_back(weights, caplog):
+    """checkpointing([h]) while a persistent tape answers a call h is not part of."""
+    w, u = weights
+
+    def step(x):
+        with tf.GradientTape(persistent=True) as tape:
+            h = tf.sin(x @ w)
+            y1 = tf.reduce_sum(_chain(h, w))
+            y2 = tf.reduce_sum(tf.cos(u) ** 2)
+        stock = tape.gradient(y2, u)
+        with msg.checkpointing([h]):
+            return stock, tape.gradient(y2, u), tape.gradient(y1, w)
+
+    with caplog.at_level(logging.WARNING, logger="memory_saving_gradients"):
+        stock_u, ours_u, ours_w = tf.function(step)(X)
+    np.testing.assert_allclose(ours_u.numpy(), stock_u.numpy(), rtol=1e-6)
+    assert "not between this call's sources and target" in caplog.text
+    assert np.all(np.isfinite(ours_w.numpy()))
