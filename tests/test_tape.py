@@ -274,17 +274,15 @@ def _unrecorded_case(case, w, u):
                 h, = tf.graph_util.import_graph_def(_imported_tanh(), input_map={"p:0": h},
                                                     return_elements=["t:0"])
             y = tf.reduce_sum(_chain(h + xx, w) * u)
-        if case == "row_output_gradients":
-            return tape.gradient(tf.tanh(w) * w, w, output_gradients=tf.ones([1, 8]))
         return tape.gradient(y, [xx, w, u] if case == "watch_tensor_late" else [w, u])
     return step
 
 
 @pytest.mark.parametrize("case", ["watch_tensor_late", "watch_variable_late", "stop_gradient",
-                                  "override_map", "import_graph_def", "row_output_gradients"])
+                                  "override_map", "import_graph_def"])
 def test_what_the_tape_did_not_record_falls_back(weights, caplog, case):
-    """Watch after use, tape paused by stop_gradient, gradient_override_map, imported ops,
-    broadcast output_gradients: stock's answer, with the reason logged."""
+    """Watch after use, tape paused by stop_gradient, gradient_override_map, imported ops:
+    stock's answer, with the reason logged."""
     _vs_stock(_unrecorded_case(case, *weights), [X], caplog, expect_ours=False)
 
 
@@ -306,3 +304,15 @@ def test_checkpoint_list_off_the_call_path_falls_back(weights, caplog):
     np.testing.assert_allclose(ours_u.numpy(), stock_u.numpy(), rtol=1e-6)
     assert "not between this call's sources and target" in caplog.text
     assert np.all(np.isfinite(ours_w.numpy()))
+
+
+def test_broadcast_output_gradients_fall_back(caplog):
+    """output_gradients of shape [1, 3] for a [3] target: the tape broadcasts, stock's answer."""
+    v = tf.Variable([0.3, -0.7, 1.1])
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            y = tf.sin(v) * v + x
+        return tape.gradient(y, v, output_gradients=tf.constant([[1.0, 2.0, 3.0]]))
+
+    _vs_stock(step, [tf.zeros([3])], caplog, expect_ours=False)
