@@ -318,7 +318,8 @@ def _between(targets, sources):
 def _unrecorded_path(recorded, between):
     """Why some op between sources and targets is not on the tape as the rewrite sees it, or None."""
     for op in sorted(between, key=compat.creation_id):
-        if not recorded(op):
+        # tf.gradients passes nothing through StopGradient either: unrecorded, it is the same.
+        if not recorded(op) and op.type != "StopGradient":
             return (f"op {op.name} ({op.type}) between sources and target was created "
                     f"outside the tape's recording (before the tape, under stop_recording, "
                     f"by tf.stop_gradient or import_graph_def)")
