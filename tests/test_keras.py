@@ -227,18 +227,22 @@ def test_bad_input():
     msg_keras.disable(model)
 
 
+class _Stop(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        raise KeyboardInterrupt  # Keras skips on_train_end
+
+
+def _fit_that_raises(model, checkpoints):
+    with pytest.raises(KeyboardInterrupt):
+        model.fit(FEATURES, FEATURES[:, :4], verbose=0,
+                  callbacks=[msg_keras.Checkpointing(checkpoints), _Stop()])
+    assert _enabled(model)
+
+
 def test_fit_after_a_fit_that_raised():
     model = mlp()
     model.compile(optimizer="sgd", loss="mse")
-
-    class Stop(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            raise KeyboardInterrupt  # Keras skips on_train_end
-
-    with pytest.raises(KeyboardInterrupt):
-        model.fit(FEATURES, FEATURES[:, :4], verbose=0,
-                  callbacks=[msg_keras.Checkpointing("speed"), Stop()])
-    assert _enabled(model)
+    _fit_that_raises(model, "speed")
     model.fit(FEATURES, FEATURES[:, :4], verbose=0, callbacks=[msg_keras.Checkpointing("memory")])
     assert not _enabled(model)
 
@@ -256,14 +260,7 @@ def test_plain_fit_and_enable_after_a_fit_that_raised(caplog, monkeypatch):
     model, stock = mlp(dropout=0.0), mlp(dropout=0.0)
     for m in (model, stock):
         m.compile(optimizer="sgd", loss="mse")
-
-    class Stop(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            raise KeyboardInterrupt  # Keras skips on_train_end
-
-    with pytest.raises(KeyboardInterrupt):
-        model.fit(FEATURES, FEATURES[:, :4], verbose=0,
-                  callbacks=[msg_keras.Checkpointing("memory"), Stop()])
+    _fit_that_raises(model, "memory")
     stock.set_weights(model.get_weights())
     rewrites = []
     traced = msg.api.gradients
