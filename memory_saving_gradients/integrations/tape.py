@@ -15,12 +15,12 @@ checkpointing is active the wrapped `gradient` is the stock one.
 
 import functools
 import logging
-import weakref
 from typing import Callable, Optional
 
 import tensorflow as tf
 
 from memory_saving_gradients import api
+from memory_saving_gradients.integrations import unrecorded
 from memory_saving_gradients.tfgraph import captures
 from memory_saving_gradients.tfgraph import compat
 
@@ -29,9 +29,6 @@ logger = logging.getLogger("memory_saving_gradients")
 _RECORD = "_memory_saving_gradients_record"  # attribute holding a tape's _Record
 _stock = {}  # method name -> the GradientTape method we wrapped
 _state = {"active": lambda: None, "eager_logged": False}
-# graph -> [(start, end)] graph versions during which ops were made that no tape
-# recorded (tapes paused by stop_recording, import_graph_def).
-_pauses = weakref.WeakKeyDictionary()
 
 
 class _Record:
@@ -45,7 +42,7 @@ class _Record:
     def recorded(self, graph):
         """Whether an op of `graph` was created while the tape recorded (not paused)."""
         spans = self.spans.get(graph, [])
-        pauses = _pauses.get(graph, [])
+        pauses = unrecorded.spans(graph)
 
         def recorded(op):
             at = compat.creation_version(op)
@@ -65,38 +62,7 @@ def install(active: Callable[[], Optional[object]]) -> None:
                           ("batch_jacobian", _stock_inside("batch_jacobian"))):
         _stock[name] = getattr(tf.GradientTape, name)
         setattr(tf.GradientTape, name, functools.wraps(_stock[name])(wrapper))
-    compat.wrap_unrecorded_op_makers(_noting_unrecorded_ops)
-
-
-def _noting_unrecorded_ops(make):
-    """`make` (a function or a context manager factory), noting the versions it spans."""
-    @functools.wraps(make)
-    def noting(*args, **kwargs):
-        if tf.executing_eagerly():
-            return make(*args, **kwargs)
-        graph = tf.compat.v1.get_default_graph()
-        start = graph.version
-        result = make(*args, **kwargs)
-        if not hasattr(result, "__enter__"):
-            _pauses.setdefault(graph, []).append((start, graph.version))
-            return result
-        return _Noted(result, graph)
-    return noting
-
-
-class _Noted:
-    """A context manager whose body's ops are noted as unrecorded."""
-
-    def __init__(self, inner, graph):
-        self.inner, self.graph, self.start = inner, graph, None
-
-    def __enter__(self):
-        self.start = self.graph.version
-        return self.inner.__enter__()
-
-    def __exit__(self, *exc):
-        _pauses.setdefault(self.graph, []).append((self.start, self.graph.version))
-        return self.inner.__exit__(*exc)
+    compat.wrap_unrecorded_op_makers(unrecorded.noting)
 
 
 def _record(tape) -> _Record:
