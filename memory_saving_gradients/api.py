@@ -133,7 +133,7 @@ def gradients(ys, xs, grad_ys=None, checkpoints="collection", **kwargs):
         outer = [x for x in xs if x.graph is not graph]
         if outer:
             by_x.update(zip(map(id, outer), captures.beyond(
-                entries, found[len(local):], outer, unconnected)))
+                entries, found[len(local):], outer, unconnected, stops)))
         return [by_x[id(x)] for x in xs]
 
 

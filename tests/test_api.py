@@ -290,3 +290,17 @@ def test_a_second_gradients_call_scans_only_the_ops_added_since(chain, monkeypat
     assert scanned[1:] == [ops_after_first - scanned[0]]  # then only what it added
     feed = {x: np.linspace(-1, 1, 8).astype(np.float32)}
     np.testing.assert_allclose(*_run([first[0], second[0]], feed))
+
+
+def test_patched_gradients_take_tf_positional_arguments():
+    """tf.gradients(ys, xs, grad_ys, name, ...) and the v1 order (colocate before gate) when patched."""
+    def step():
+        x = tf.identity(tf.constant([1.0, 2.0]))
+        y = tf.reduce_sum(tf.sin(x) ** 2)
+        return (tf.gradients(y, [x], None, "named_grads")[0],
+                tf.compat.v1.gradients(y, [x], None, "v1_grads", False, False)[0])
+    stock = tf.function(step)()
+    with msg.checkpointing("memory"):
+        ours = tf.function(step)()
+    for s, o in zip(stock, ours):
+        np.testing.assert_allclose(o.numpy(), s.numpy(), rtol=1e-6)

@@ -82,3 +82,18 @@ def test_x_of_an_unrelated_graph_still_raises():
 
     with pytest.raises(ValueError, match="belongs to a different graph"):
         run(X)
+
+
+def test_stop_gradients_naming_an_enclosing_graph_tensor():
+    """stop_gradients naming a tensor of the enclosing graph stops the walk past the captures."""
+    def run(grad_fn):
+        @tf.function
+        def f(x):
+            a = x * 2.0
+            b = tf.sin(a) + x
+
+            def branch():
+                return grad_fn(tf.reduce_sum(b * b), [x], stop_gradients=[a])[0]
+            return tf.cond(tf.reduce_sum(x) > 0, branch, lambda: tf.zeros([3]))
+        return f(tf.constant([1.0, 2.0, 3.0])).numpy()
+    np.testing.assert_allclose(run(msg.gradients_memory), run(tf.gradients), rtol=1e-6)

@@ -227,18 +227,22 @@ def test_bad_input():
     msg_keras.disable(model)
 
 
+class _Stop(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        raise KeyboardInterrupt  # Keras skips on_train_end
+
+
+def _fit_that_raises(model, checkpoints):
+    with pytest.raises(KeyboardInterrupt):
+        model.fit(FEATURES, FEATURES[:, :4], verbose=0,
+                  callbacks=[msg_keras.Checkpointing(checkpoints), _Stop()])
+    assert _enabled(model)
+
+
 def test_fit_after_a_fit_that_raised():
     model = mlp()
     model.compile(optimizer="sgd", loss="mse")
-
-    class Stop(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            raise KeyboardInterrupt  # Keras skips on_train_end
-
-    with pytest.raises(KeyboardInterrupt):
-        model.fit(FEATURES, FEATURES[:, :4], verbose=0,
-                  callbacks=[msg_keras.Checkpointing("speed"), Stop()])
-    assert _enabled(model)
+    _fit_that_raises(model, "speed")
     model.fit(FEATURES, FEATURES[:, :4], verbose=0, callbacks=[msg_keras.Checkpointing("memory")])
     assert not _enabled(model)
 
@@ -248,3 +252,26 @@ def test_disable_never_enabled_warns(caplog):
     with caplog.at_level(logging.WARNING, logger="memory_saving_gradients"):
         msg_keras.disable(model)
     assert "was not enabled" in caplog.text
+
+
+def test_plain_fit_and_enable_after_a_fit_that_raised(caplog, monkeypatch):
+    """A fit without the callback after one that raised runs stock's step (no recomputation,
+    same update as a never-checkpointed copy), and enable() works again."""
+    model, stock = mlp(dropout=0.0), mlp(dropout=0.0)
+    for m in (model, stock):
+        m.compile(optimizer="sgd", loss="mse")
+    _fit_that_raises(model, "memory")
+    stock.set_weights(model.get_weights())
+    rewrites = []
+    traced = msg.api.gradients
+    monkeypatch.setattr(msg.api, "gradients", lambda *a, **k: rewrites.append(1) or traced(*a, **k))
+    with caplog.at_level(logging.WARNING, logger="memory_saving_gradients"):
+        for m in (model, stock):
+            m.fit(FEATURES, FEATURES[:, :4], verbose=0, batch_size=8, shuffle=False)
+    assert "ended without on_train_end" in caplog.text and not _enabled(model)
+    assert not rewrites  # the plain fit traced and ran stock's step
+    for ours, theirs in zip(model.get_weights(), stock.get_weights()):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=1e-7)
+    msg_keras.enable(model, "memory")
+    assert _enabled(model)
+    msg_keras.disable(model)

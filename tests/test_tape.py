@@ -240,3 +240,93 @@ def test_tf1_optimizer_follows_the_patch():
             sess.run(tf.compat.v1.global_variables_initializer())
             a, b = sess.run([stock, ours], {x: X.numpy()})
     np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+
+
+@tf.RegisterGradient("TapeTestDoubledTanh")
+def _doubled_tanh_grad(op, grad):
+    return 2.0 * grad * (1.0 - op.outputs[0] ** 2)
+
+
+def _imported_tanh():
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.tanh(tf.compat.v1.placeholder(tf.float32, [4, 8], name="p"), name="t")
+    return graph.as_graph_def()
+
+
+def _unrecorded_case(case, w, u):
+    """A step whose tape did not record (as stock sees it) an op the rewrite would follow."""
+    def step(x):
+        xx = tf.identity(x)
+        with tf.GradientTape(watch_accessed_variables=case != "watch_variable_late") as tape:
+            h = _chain(xx, w, depth=2)
+            if case == "watch_tensor_late":
+                tape.watch(xx)
+            if case == "watch_variable_late":
+                tape.watch([w, u])
+            if case == "override_map":
+                with tf.compat.v1.get_default_graph().gradient_override_map(
+                        {"Tanh": "TapeTestDoubledTanh"}):
+                    h = tf.tanh(h)
+            if case == "import_graph_def":
+                h, = tf.graph_util.import_graph_def(_imported_tanh(), input_map={"p:0": h},
+                                                    return_elements=["t:0"])
+            y = tf.reduce_sum(_chain(h + xx, w) * u)
+        return tape.gradient(y, [xx, w, u] if case == "watch_tensor_late" else [w, u])
+    return step
+
+
+@pytest.mark.parametrize("case", ["watch_tensor_late", "watch_variable_late",
+                                  "override_map", "import_graph_def"])
+def test_what_the_tape_did_not_record_falls_back(weights, caplog, case):
+    """Watch after use, gradient_override_map, imported ops:
+    stock's answer, with the reason logged."""
+    _vs_stock(_unrecorded_case(case, *weights), [X], caplog, expect_ours=False)
+
+
+def test_checkpoint_list_off_the_call_path_falls_back(weights, caplog):
+    """checkpointing([h]) while a persistent tape answers a call h is not part of."""
+    w, u = weights
+
+    def step(x):
+        with tf.GradientTape(persistent=True) as tape:
+            h = tf.sin(x @ w)
+            y1 = tf.reduce_sum(_chain(h, w))
+            y2 = tf.reduce_sum(tf.cos(u) ** 2)
+        stock = tape.gradient(y2, u)
+        with msg.checkpointing([h]):
+            return stock, tape.gradient(y2, u), tape.gradient(y1, w)
+
+    with caplog.at_level(logging.WARNING, logger="memory_saving_gradients"):
+        stock_u, ours_u, ours_w = tf.function(step)(X)
+    np.testing.assert_allclose(ours_u.numpy(), stock_u.numpy(), rtol=1e-6)
+    assert "not between this call's sources and target" in caplog.text
+    assert np.all(np.isfinite(ours_w.numpy()))
+
+
+def test_broadcast_output_gradients_fall_back(caplog):
+    """output_gradients of shape [1, 3] for a [3] target: the tape broadcasts, stock's answer."""
+    v = tf.Variable([0.3, -0.7, 1.1])
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            y = tf.sin(v) * v + x
+        return tape.gradient(y, v, output_gradients=tf.constant([[1.0, 2.0, 3.0]]))
+
+    _vs_stock(step, [tf.zeros([3])], caplog, expect_ours=False)
+
+
+def test_stop_gradient_inside_the_tape(weights, caplog):
+    """tf.stop_gradient pauses every tape: what is made from its output is not tracked
+    (stock gives None for it), and the rest is still checkpointed."""
+    w, u = weights
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            h = _chain(x, w, depth=2)
+            stopped = tf.stop_gradient(h) * 2.0
+            y = tf.reduce_sum(_chain(h + stopped, w) * u)
+        return tape.gradient(y, [w, u, stopped])
+
+    ours = _vs_stock(step, [X], caplog)
+    assert ours[2] is None

@@ -55,6 +55,7 @@ def enable(model, checkpoints="memory") -> None:
     if not _is_compiled(model):
         raise RuntimeError(f"model {model.name!r} is not compiled: call model.compile(...) "
                            f"before enabling checkpointing")
+    _undo_failed_fit(model)
     if getattr(model, _ENABLED, None) is not None:
         raise RuntimeError(
             f"checkpointing is already enabled on model {model.name!r} (checkpoints="
@@ -82,10 +83,42 @@ def disable(model) -> None:
                        "%r; nothing to disable", getattr(model, "name", model))
         return
     object.__delattr__(model, "train_step")
+    model.__dict__.pop("make_train_function", None)  # set by the callback's enable
     if replaced.own_train_step is not None:
         object.__setattr__(model, "train_step", replaced.own_train_step)
     object.__setattr__(model, _ENABLED, None)
     _retrace(model)
+
+
+def _undo_failed_fit(model) -> None:
+    """Disables what a Checkpointing callback enabled in a fit that raised.
+
+    Such a fit skips on_train_end, so the callback could not undo its enable.
+    """
+    left = getattr(model, _ENABLED, None)
+    if left is not None and left.by_callback:
+        logger.warning("memory_saving_gradients: a fit with the Checkpointing callback on "
+                       "model %r ended without on_train_end (it raised); checkpointing it "
+                       "enabled is disabled now", model.name)
+        disable(model)
+
+
+def _until_next_build(model) -> None:
+    """Marks the callback's enable as lasting only for the fit in progress.
+
+    That fit built its train function before on_train_begin; the next `fit`
+    or `train_on_batch` asks for one again (not forced): if the callback's
+    fit raised, checkpointing is still enabled then, and is undone first so
+    the cached checkpointed train function is not reused.
+    """
+    stock_make = model.make_train_function
+
+    def make_train_function(force=False):
+        if not force:
+            _undo_failed_fit(model)
+            return model.make_train_function(force)
+        return stock_make(force)
+    object.__setattr__(model, "make_train_function", make_train_function)
 
 
 def enabled_checkpoints(model):
@@ -125,12 +158,9 @@ class Checkpointing(tf.keras.callbacks.Callback):
         self.checkpoints = checkpoints
 
     def on_train_begin(self, logs=None):
-        left = getattr(self.model, _ENABLED, None)
-        if left is not None and left.by_callback:
-            # A fit that raised skips on_train_end: that callback's enable is undone here.
-            disable(self.model)
         enable(self.model, self.checkpoints)
         getattr(self.model, _ENABLED).by_callback = True
+        _until_next_build(self.model)
 
     def on_train_end(self, logs=None):
         disable(self.model)

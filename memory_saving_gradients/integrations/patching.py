@@ -20,6 +20,7 @@ function.
 
 import contextlib
 import functools
+import inspect
 import threading
 from typing import Callable, Dict, List, Optional
 
@@ -88,7 +89,12 @@ _patches = _Patches()
 
 
 def _dispatcher(original: Callable) -> Callable:
-    """Calls `gradients` with the calling thread's mode, or `original` if it has none."""
+    """Calls `gradients` with the calling thread's mode, or `original` if it has none.
+
+    Arguments are bound to `original`'s signature, positional ones included
+    (tf.gradients and tf.compat.v1.gradients order them differently after `name`).
+    """
+    signature = inspect.signature(original)
 
     @tf.autograph.experimental.do_not_convert
     @functools.wraps(original)
@@ -96,7 +102,8 @@ def _dispatcher(original: Callable) -> Callable:
         checkpoints = active_checkpoints()
         if checkpoints is None:
             return original(*args, **kwargs)
-        return api.gradients(*args, checkpoints=checkpoints, **kwargs)
+        return api.gradients(**signature.bind(*args, **kwargs).arguments,
+                             checkpoints=checkpoints)
 
     dispatch._replaces = original  # pylint: disable=protected-access
     return dispatch

@@ -20,6 +20,7 @@ from typing import Callable, Optional
 import tensorflow as tf
 
 from memory_saving_gradients import api
+from memory_saving_gradients.integrations import unrecorded
 from memory_saving_gradients.tfgraph import captures
 from memory_saving_gradients.tfgraph import compat
 
@@ -31,17 +32,23 @@ _state = {"active": lambda: None, "eager_logged": False}
 
 
 class _Record:
-    """Where a tape recorded: per graph, [start, end) positions in its op list."""
+    """Where a tape recorded: per graph, spans of graph versions (op creation counts)."""
 
     def __init__(self):
-        self.spans = {}  # graph -> list of [start, end or None]
-        self.watched = []  # tensors given to tape.watch
+        self.spans = {}  # graph -> list of [start, end or None] graph versions
+        self.watched = []  # (tensor or variable given to tape.watch, graph version then)
         self.in_jacobian = False
 
     def recorded(self, graph):
-        """Positions in graph.get_operations() the tape recorded at."""
+        """Whether an op of `graph` was created while the tape recorded (not paused)."""
         spans = self.spans.get(graph, [])
-        return lambda i: any(s <= i and (e is None or i < e) for s, e in spans)
+        pauses = unrecorded.spans(graph)
+
+        def recorded(op):
+            at = compat.creation_version(op)
+            return (any(s < at and (e is None or at <= e) for s, e in spans)
+                    and not any(s < at <= e for s, e in pauses))
+        return recorded
 
 
 def install(active: Callable[[], Optional[object]]) -> None:
@@ -55,6 +62,7 @@ def install(active: Callable[[], Optional[object]]) -> None:
                           ("batch_jacobian", _stock_inside("batch_jacobian"))):
         _stock[name] = getattr(tf.GradientTape, name)
         setattr(tf.GradientTape, name, functools.wraps(_stock[name])(wrapper))
+    compat.wrap_unrecorded_op_makers(unrecorded.noting)
 
 
 def _record(tape) -> _Record:
@@ -67,14 +75,14 @@ def _push_tape(self):
     _stock["_push_tape"](self)
     if not tf.executing_eagerly():
         graph = tf.compat.v1.get_default_graph()
-        _record(self).spans.setdefault(graph, []).append([len(graph.get_operations()), None])
+        _record(self).spans.setdefault(graph, []).append([graph.version, None])
 
 
 def _pop_tape(self):
     _stock["_pop_tape"](self)
     for graph, spans in _record(self).spans.items():
         if spans[-1][1] is None:
-            spans[-1][1] = len(graph.get_operations())
+            spans[-1][1] = graph.version
 
 
 def _reset(self):
@@ -87,8 +95,9 @@ def _reset(self):
 
 def _watch(self, tensor):
     _stock["watch"](self, tensor)
-    _record(self).watched.extend(
-        t for t in tf.nest.flatten(tensor) if tf.is_symbolic_tensor(t))
+    if not tf.executing_eagerly():
+        graph = tf.compat.v1.get_default_graph()
+        _record(self).watched.extend((t, graph, graph.version) for t in tf.nest.flatten(tensor))
 
 
 def _stock_inside(name):
@@ -119,7 +128,8 @@ def _gradient(self, target, sources, output_gradients=None,
         return stock()
     if self._recording and not self._persistent:  # pylint: disable=protected-access
         self._pop_tape()  # pylint: disable=protected-access  (as the stock tape does)
-    reason, call = _plan_call(self, target, sources, output_gradients, unconnected_gradients)
+    reason, call = _plan_call(self, target, sources, output_gradients, unconnected_gradients,
+                              checkpoints)
     if reason:
         logger.warning("memory_saving_gradients: GradientTape.gradient left to TensorFlow "
                        "(no checkpointing for this call): %s", reason)
@@ -131,7 +141,7 @@ def _gradient(self, target, sources, output_gradients=None,
     return tf.nest.pack_sequence_as(sources, grads)
 
 
-def _plan_call(tape, target, sources, output_gradients, unconnected):
+def _plan_call(tape, target, sources, output_gradients, unconnected, checkpoints):
     """(reason to stay stock, None) or (None, function of checkpoints -> flat gradients)."""
     record = _record(tape)
     graph = tf.compat.v1.get_default_graph()
@@ -153,9 +163,12 @@ def _plan_call(tape, target, sources, output_gradients, unconnected):
     if not all(s is None or s.dtype.is_floating or s.dtype == tf.resource
                for s in flat_sources):
         return "a source is not a floating-point tensor or variable", None
-    tracked = _tracked(tape, record, graph)
-    reason = _unrecorded_path(graph, record, targets, [s for s in flat_sources if s is not None
-                                                        and id(s) in tracked])
+    seeds, reason = _watched_seeds(tape, record, graph)
+    tracked = _tracked(seeds, record, graph)
+    between = _between(targets, [s for s in flat_sources if s is not None and id(s) in tracked])
+    reason = (reason or _unrecorded_path(record.recorded(graph), between)
+              or _unmatched_output_gradients(targets, output_gradients)
+              or _checkpoints_off_path(checkpoints, between, flat_sources))
     if reason:
         return reason, None
     grad_ys = None if output_gradients is None else [
@@ -210,14 +223,36 @@ def _plain(graph, tensor):
             and tensor.graph is graph and tensor.dtype.is_floating)
 
 
-def _tracked(tape, record, graph):
-    """ids of the tensors of `graph` the tape tracks: watched, or made from them by recorded ops."""
-    handles = [captures.local_tensor(graph, v.handle) for v in tape.watched_variables()]
-    seeds = [captures.local_tensor(graph, t) for t in record.watched] + handles
-    tracked = {id(t) for t in seeds if t is not None}
+def _watched_seeds(tape, record, graph):
+    """(tensors of `graph` the tape watches, reason to fall back or None).
+
+    The tape records only ops made after a watch: a source explicitly
+    watched after ops already used it (a tensor, or a variable on a tape
+    not watching accessed variables) is left to the stock tape.
+    """
     recorded = record.recorded(graph)
-    for i, op in enumerate(graph.get_operations()):
-        if recorded(i) and any(id(t) in tracked and _trainable(t) for t in op.inputs):
+    seeds = [t for t in (captures.local_tensor(graph, v.handle) for v in tape.watched_variables())
+             if t is not None]
+    for source, where, version in record.watched:
+        local = _as_graph_tensor(graph, source)
+        if local is None or local is _FOREIGN:
+            continue
+        seeds.append(local)
+        if isinstance(source, tf.Tensor) or not tape._watch_accessed_variables:  # pylint: disable=protected-access
+            if where is not graph:
+                return seeds, f"{local.name} was watched in another graph"
+            if any(recorded(c) and compat.creation_version(c) <= version
+                   for c in local.consumers()):
+                return seeds, f"{local.name} was watched after the tape recorded ops using it"
+    return seeds, None
+
+
+def _tracked(seeds, record, graph):
+    """ids of the tensors of `graph` the tape tracks: watched, or made from them by recorded ops."""
+    tracked = {id(t) for t in seeds}
+    recorded = record.recorded(graph)
+    for op in graph.get_operations():
+        if recorded(op) and any(id(t) in tracked and _trainable(t) for t in op.inputs):
             tracked.update(id(t) for t in op.outputs)
     return tracked
 
@@ -227,27 +262,61 @@ def _trainable(tensor):
     return dtype.is_floating or dtype.is_complex or dtype in (tf.resource, tf.variant)
 
 
-def _unrecorded_path(graph, record, targets, sources):
-    """Why some op between sources and targets is not on the tape, or None."""
-    ops = graph.get_operations()
-    position = {op.name: i for i, op in enumerate(ops)}
-    recorded = record.recorded(graph)
+def _between(targets, sources):
+    """The ops on some path from a source to a target."""
     upstream = set()
     stack = [t.op for t in targets]
     while stack:
         op = stack.pop()
-        if op.name not in upstream:
-            upstream.add(op.name)
+        if op not in upstream:
+            upstream.add(op)
             stack.extend(t.op for t in op.inputs)
-    seen = set()
+    between = set()
     stack = [c for s in sources for c in s.consumers()]
     while stack:
         op = stack.pop()
-        if op.name in seen or op.name not in upstream:
-            continue
-        seen.add(op.name)
-        if not recorded(position[op.name]):
+        if op in upstream and op not in between:
+            between.add(op)
+            stack.extend(c for t in op.outputs for c in t.consumers())
+    return between
+
+
+def _unrecorded_path(recorded, between):
+    """Why some op between sources and targets is not on the tape as the rewrite sees it, or None."""
+    for op in sorted(between, key=compat.creation_id):
+        # tf.gradients passes nothing through StopGradient either: unrecorded, it is the same.
+        if not recorded(op) and op.type != "StopGradient":
             return (f"op {op.name} ({op.type}) between sources and target was created "
-                    f"outside the tape's recording (before the tape or under stop_recording)")
-        stack.extend(c for t in op.outputs for c in t.consumers())
+                    f"outside the tape's recording (before the tape, under stop_recording, "
+                    f"by tf.stop_gradient or import_graph_def)")
+        override = op.node_def.attr.get("_gradient_op_type")
+        if override is not None and not override.s.startswith(b"CustomGradient"):
+            return (f"op {op.name} ({op.type}) has a gradient_override_map gradient "
+                    f"({override.s.decode()}), which the tape does not use")
+    return None
+
+
+def _unmatched_output_gradients(targets, output_gradients):
+    """Why output_gradients are not each of their target's shape and dtype, or None."""
+    if output_gradients is None:
+        return None
+    for target, given in zip(targets, tf.nest.flatten(output_gradients)):
+        if given is None:
+            continue
+        given = tf.convert_to_tensor(given)
+        if given.dtype != target.dtype or given.shape.rank != target.shape.rank \
+                or not given.shape.is_compatible_with(target.shape):
+            return (f"output_gradients for {target.name} are {given.dtype.name}{given.shape}, "
+                    f"not of the target's dtype and shape (the tape broadcasts; we do not)")
+    return None
+
+
+def _checkpoints_off_path(checkpoints, between, sources):
+    """Why a list of checkpoint tensors does not fit this call, or None."""
+    if isinstance(checkpoints, str) or not isinstance(checkpoints, (list, tuple)):
+        return None
+    names = {s.name for s in sources if s is not None}
+    for tensor in checkpoints:
+        if getattr(tensor, "op", None) not in between and getattr(tensor, "name", None) not in names:
+            return f"checkpoint {getattr(tensor, 'name', tensor)} is not between this call's sources and target"
     return None

@@ -61,12 +61,15 @@ def differentiable_captures(graph) -> List[Tuple[tf.Tensor, tf.Tensor]]:
 
 
 def beyond(entries: Sequence[Tuple[tf.Tensor, tf.Tensor]], entry_grads: Sequence,
-           xs: Sequence[tf.Tensor], unconnected) -> List[Optional[tf.Tensor]]:
+           xs: Sequence[tf.Tensor], unconnected,
+           stops: Sequence[tf.Tensor] = ()) -> List[Optional[tf.Tensor]]:
     """Gradients of `xs` (tensors of enclosing graphs), given those of the captures.
 
     `entry_grads[i]` is the gradient reaching the placeholder of `entries[i]`;
     stock tf.gradients carries it on from the captured tensor, through the
     enclosing graphs' ops, to each x (an x captured directly gets it as it is).
+    `stops` (the caller's stop_gradients) stop that walk too, as they stop
+    stock tf.gradients called in the inner graph.
     """
     reached = [(external, g) for (external, _), g in zip(entries, entry_grads) if g is not None]
     if not reached:
@@ -74,4 +77,5 @@ def beyond(entries: Sequence[Tuple[tf.Tensor, tf.Tensor]], entry_grads: Sequence
         return [compat.zeros_like_gradient(x) if zero else None for x in xs]
     return compat.stock_gradients([e for e, _ in reached], list(xs),
                                   grad_ys=[g for _, g in reached],
+                                  stop_gradients=list(stops) or None,
                                   unconnected_gradients=unconnected)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.eager import record
+from tensorflow.python.framework import importer
 from tensorflow.python.framework import op_def_registry
 from tensorflow.python.framework import ops as tf_ops
 from tensorflow.python.ops import control_flow_util
@@ -39,6 +40,23 @@ def gradient_function(op: tf.Operation):
 def creation_id(op: tf.Operation) -> int:
     """A number that grows with op creation within a graph."""
     return op._id  # pylint: disable=protected-access
+
+
+def creation_version(op: tf.Operation) -> int:
+    """`op.graph.version` just after `op` was added (versions count added ops)."""
+    return op._id - 1  # pylint: disable=protected-access
+
+
+def wrap_unrecorded_op_makers(wrap) -> None:
+    """Replaces each TensorFlow function that makes graph ops no tape records.
+
+    `record.stop_recording` (used around tf.stop_gradient, in init_scope,
+    recompute_grad, distribute code) pauses every tape without popping it;
+    `import_graph_def` adds ops that never reach a tape. Their callers look
+    them up on the module at call time, so `wrap(original)` takes effect.
+    """
+    for module, name in ((record, "stop_recording"), (importer, "_import_graph_def_internal")):
+        setattr(module, name, wrap(getattr(module, name)))
 
 
 def forward_op_of_gradient(op: tf.Operation):
