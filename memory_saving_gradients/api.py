@@ -7,12 +7,12 @@ tfgraph/).
 
 from __future__ import annotations
 
-import collections.abc
 import dataclasses
 import logging
 
 import tensorflow as tf
 
+from memory_saving_gradients import arguments
 from memory_saving_gradients.core import planning
 from memory_saving_gradients.core import timeline
 from memory_saving_gradients.core import strategies
@@ -21,16 +21,12 @@ from memory_saving_gradients.tfgraph import captures
 from memory_saving_gradients.tfgraph import loop_chunks
 from memory_saving_gradients.tfgraph import op_kinds
 from memory_saving_gradients.tfgraph import reading
-from memory_saving_gradients.tfgraph import replicas
 from memory_saving_gradients.tfgraph import rewrite
 
 logger = logging.getLogger("memory_saving_gradients")
 
 MODES = strategies.MODES
 COLLECTION = "checkpoints"
-_TF_GRADIENTS_ARGS = frozenset({
-    "name", "colocate_gradients_with_ops", "gate_gradients", "aggregation_method",
-    "stop_gradients", "unconnected_gradients"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,18 +102,9 @@ def gradients(ys, xs, grad_ys=None, checkpoints="collection", **kwargs):
       RuntimeError: when called eagerly (wrap the step in `tf.function`).
       TypeError / ValueError: on malformed arguments, naming the problem.
     """
-    unknown = set(kwargs) - _TF_GRADIENTS_ARGS
-    if unknown:
-        raise TypeError(f"gradients() got unexpected keyword arguments {sorted(unknown)}; "
-                        f"it accepts those of tf.compat.v1.gradients: "
-                        f"{sorted(_TF_GRADIENTS_ARGS)}")
-    ys, xs, grad_ys = _normalise(ys, xs, grad_ys)
-    tf_kwargs = dict(kwargs)
-    stops = tf_kwargs.pop("stop_gradients", None)
-    stops = [] if stops is None else _as_tensors(stops, "stop_gradients")
-    unconnected = _unconnected_gradients(
-        tf_kwargs.pop("unconnected_gradients", tf.UnconnectedGradients.NONE))
-    name = tf_kwargs.pop("name", None) or "gradients"
+    arguments.check_keywords(kwargs)
+    ys, xs, grad_ys = arguments.normalise(ys, xs, grad_ys)
+    stops, unconnected, name, tf_kwargs = arguments.tf_gradients_options(kwargs)
     graph = ys[0].graph
     local = [x for x in xs if x.graph is graph]
     # xs of enclosing graphs are reached through this graph's captures; past
@@ -162,7 +149,7 @@ def checkpoint_plan(ys, xs, checkpoints="memory"):
     Example:
       >>> print(memory_saving_gradients.checkpoint_plan(loss, model.weights))
     """
-    ys, xs, _ = _normalise(ys, xs, None)
+    ys, xs, _ = arguments.normalise(ys, xs, None)
     return _plan(ys, [x for x in xs if x.graph is ys[0].graph], checkpoints)
 
 
@@ -170,7 +157,7 @@ def validate_checkpoints(checkpoints) -> str:
     """The mode of a `checkpoints` argument; ValueError/TypeError if malformed."""
     mode = strategies.validate(checkpoints)
     if mode == "list":
-        _as_tensors(checkpoints, "checkpoints")
+        arguments.as_tensors(checkpoints, "checkpoints")
     return mode
 
 
@@ -213,8 +200,8 @@ def _explicit_names(read, ys, xs, mode, checkpoints):
         return [t.name for t in found]
     if mode != "list":
         return ()
-    tensors = _as_tensors(checkpoints, "checkpoints")
-    _check_same_graph(tensors, graph, "checkpoints")
+    tensors = arguments.as_tensors(checkpoints, "checkpoints")
+    arguments.check_same_graph(tensors, graph, "checkpoints")
     x_names = {x.name for x in xs}
     for t in tensors:
         if op_kinds.in_v1_control_flow(t.op, output=True):
@@ -225,121 +212,3 @@ def _explicit_names(read, ys, xs, mode, checkpoints):
                              f"depend on any x or no y depends on it; pass tensors on "
                              f"the path from xs to ys")
     return [t.name for t in tensors]
-
-
-def _unconnected_gradients(value):
-    try:
-        return tf.UnconnectedGradients(value)
-    except ValueError:
-        raise ValueError(f"unconnected_gradients={value!r} is not valid: use 'none' or "
-                         f"'zero' (tf.UnconnectedGradients.NONE or .ZERO)") from None
-
-
-def _normalise(ys, xs, grad_ys):
-    if tf.executing_eagerly():
-        raise RuntimeError(
-            "memory_saving_gradients works on graphs, and TensorFlow is executing "
-            "eagerly: wrap the training step in tf.function (or build a "
-            "tf.compat.v1 graph), as tf.gradients requires too")
-    replicas.check_arguments((("ys", ys), ("xs", xs), ("grad_ys", grad_ys)))
-    ys = _as_tensors(ys, "ys", allow_variables=True)
-    if not ys:
-        raise ValueError("ys is empty: pass the tensor(s) to differentiate")
-    xs = _as_tensors(xs, "xs", allow_variables=True)
-    graph = ys[0].graph
-    if graph is not tf.compat.v1.get_default_graph():
-        raise ValueError(f"ys belong to graph {graph}, but the default graph is "
-                         f"another: call gradients inside the graph or tf.function "
-                         f"that built ys")
-    _check_same_graph(ys, graph, "ys")
-    for x in xs:
-        if not captures.encloses(x.graph, graph):
-            _check_same_graph([x], graph, "xs")
-    if grad_ys is not None:
-        grad_ys = _grad_ys(grad_ys, ys)
-        _check_same_graph([g for g in grad_ys if g is not None], graph, "grad_ys")
-    return ys, xs, grad_ys
-
-
-def _grad_ys(grad_ys, ys):
-    """One seed (or None) per y, of its dtype and a shape compatible with it.
-
-    Python numbers, lists and numpy arrays become constants of the y's dtype,
-    as tf.gradients accepts them. A seed of another shape is refused even
-    where broadcasting would run: a transposed seed is never what was meant.
-    """
-    if not isinstance(grad_ys, (list, tuple)):
-        grad_ys = [grad_ys]
-    if len(grad_ys) != len(ys):
-        raise ValueError(f"grad_ys has {len(grad_ys)} entries but ys has {len(ys)}; "
-                         f"pass one gradient (or None) per y")
-    seeds = []
-    for i, (seed, y) in enumerate(zip(grad_ys, ys)):
-        where = f"grad_ys[{i}]"
-        if seed is not None and not isinstance(seed, tf.IndexedSlices):
-            if _is_tensor_like(seed):
-                seed = _as_tensors(seed, where, allow_variables=True)[0]
-            else:
-                seed = _constant_like(seed, y, where)
-            _check_seed(seed, y, where)
-        seeds.append(seed)
-    return seeds
-
-
-def _is_tensor_like(value):
-    return (isinstance(value, tf.Variable) or isinstance(getattr(value, "value", None), tf.Variable)
-            or tf.is_symbolic_tensor(value))
-
-
-def _constant_like(value, y, where):
-    try:
-        return tf.constant(value, dtype=y.dtype)
-    except (TypeError, ValueError) as error:
-        raise TypeError(f"{where} cannot be made a {y.dtype.name} tensor for y "
-                        f"{y.name}: {error}") from None
-
-
-def _check_seed(seed, y, where):
-    if seed.dtype.base_dtype != y.dtype.base_dtype:
-        raise TypeError(f"{where} has dtype {seed.dtype.name} but y {y.name} has "
-                        f"{y.dtype.name}; cast it: tf.cast({where}, tf.{y.dtype.name})")
-    if not seed.shape.is_compatible_with(y.shape):
-        raise ValueError(f"{where} has shape {seed.shape} but y {y.name} has shape "
-                         f"{y.shape}; pass a gradient shaped like its y")
-
-
-def _as_tensors(values, what, allow_variables=False, allow_none=False):
-    """A list of graph tensors; resource variables (tf or Keras) become handles as xs."""
-    if isinstance(values, (tf.Tensor, tf.Variable, tf.IndexedSlices)) or values is None:
-        values = [values]
-    elif not isinstance(values, collections.abc.Iterable) or isinstance(values, (str, bytes)):
-        raise TypeError(f"{what} must be a tensor or a list of tensors, got "
-                        f"{type(values).__name__}: {values!r}")
-    out = []
-    for i, v in enumerate(values):
-        if isinstance(getattr(v, "value", None), tf.Variable):
-            v = v.value  # a Keras 3 variable wraps a tf.Variable
-        if v is None and allow_none:
-            out.append(None)
-        elif isinstance(v, tf.Variable) and allow_variables:
-            out.append(tf.convert_to_tensor(v.handle) if what == "xs"
-                       else tf.convert_to_tensor(v))
-        elif tf.is_symbolic_tensor(v):
-            out.append(v)
-        elif what == "xs" and isinstance(v, tf.Tensor) and _in_function():
-            out.append(tf.convert_to_tensor(v))  # an eager tensor: captured, as tf.gradients does
-        else:
-            raise TypeError(f"{what}[{i}] must be a tf.Tensor in a graph, got "
-                            f"{type(v).__name__}: {v!r}")
-    return out
-
-
-def _in_function():
-    return hasattr(tf.compat.v1.get_default_graph(), "captures")  # a tf.function's FuncGraph
-
-
-def _check_same_graph(tensors, graph, what):
-    for t in tensors:
-        if t.graph is not graph:
-            raise ValueError(f"{what} tensor {t.name} belongs to a different graph than "
-                             f"ys; build all tensors in one graph or tf.function")
