@@ -79,7 +79,11 @@ def mlp(dropout=0.2):
 
 @pytest.mark.slow  # MobileNetV2 traced twice (stock, ours): 1.5-7 minutes on 2 shared cores
 def test_cnn_with_batch_norm(caplog):
-    model = fit_vs_stock(mobilenet, IMAGES, LABELS, caplog)
+    # One step: MobileNetV2 at 32 px normalises its last layers over 8 values, which
+    # makes training chaotic; stock fit itself, from weights perturbed by 1e-7
+    # relative, ends 0.13 apart after three steps (even at learning rate 0.001), so
+    # only the first step can tell float rounding from a wrong gradient.
+    model = fit_vs_stock(mobilenet, IMAGES[:8], LABELS[:8], caplog)
     # Moving statistics moved, once per step as in stock (compared above).
     moving = [v for v in model.non_trainable_weights if "moving_mean" in v.path]
     assert moving and any(np.abs(v.numpy()).sum() > 0 for v in moving)
