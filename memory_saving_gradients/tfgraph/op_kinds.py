@@ -22,6 +22,10 @@ CONTROL_FLOW_OP_TYPES = frozenset({
     "PartitionedCall", "StatefulPartitionedCall", "SymbolicGradient",
 })
 
+# tf.compat.v1 control flow, whose untaken branches carry dead tensors.
+V1_CONTROL_FLOW_OP_TYPES = frozenset({
+    "Switch", "RefSwitch", "Merge", "RefMerge", "Enter", "RefEnter", "Exit", "RefExit"})
+
 # Ops that feed per-example data into a graph.
 DATA_SOURCE_OP_TYPES = frozenset({
     "Placeholder", "PlaceholderV2", "PlaceholderWithDefault", "IteratorGetNext",

@@ -219,8 +219,10 @@ def _record_backprop(op, op_inputs, activations, region, backprop):
         scratch = 0
     else:
         reads = gradient_reads.gradient_reads(op)
-        read = ([op.inputs[i].name for i in reads.inputs]
-                + [op.outputs[i].name for i in reads.outputs])
+        # Differentiating a function call or cond may give its op (or the
+        # probe's stand-in) outputs of its intermediates: index what exists.
+        read = ([op.inputs[i].name for i in reads.inputs if i < len(op.inputs)]
+                + [op.outputs[i].name for i in reads.outputs if i < len(op.outputs)])
         scratch = reads.scratch_bytes
     backprop["grad_reads"][op.name] = tuple(n for n in read if n in activations)
     backprop["workspace"][op.name] = scratch + workspace.gradient_workspace_bytes(op)

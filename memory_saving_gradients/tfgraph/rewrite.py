@@ -26,6 +26,7 @@ from memory_saving_gradients.core.planning import Level
 from memory_saving_gradients.core.planning import Plan
 from memory_saving_gradients.tfgraph import compat
 from memory_saving_gradients.tfgraph import copying
+from memory_saving_gradients.tfgraph import op_kinds
 from memory_saving_gradients.tfgraph import loop_chunks
 from memory_saving_gradients.tfgraph.ledger import GradientLedger
 from memory_saving_gradients.tfgraph.reading import Reading
@@ -82,6 +83,11 @@ class _Backprop:
         # The gradients the last phase returned: once they all exist, its
         # gradient ops have run and its recomputed tensors are free.
         self._released = []
+        # In tf.compat.v1 control flow a gradient may be dead (an untaken cond
+        # branch), and a gate reading it would kill every copy: no gate there.
+        self._gated = not any(
+            graph.get_operation_by_name(name).type in op_kinds.V1_CONTROL_FLOW_OP_TYPES
+            for name in reading.op_inputs)
 
     def to_checkpoints(self, ys, grad_ys) -> None:
         """Phase 1: from the ys through the original ops, down to the checkpoints."""
@@ -116,7 +122,8 @@ class _Backprop:
         """Copies and differentiates the level; returns (copies, gradients made)."""
         stubs = {}
         arrived = [self._seeds[c] for c in level.checkpoints if c in self._seeds]
-        level_gate = copying.gate(arrived + self._released) if level.copy_ops else None
+        level_gate = (copying.gate(arrived + self._released)
+                      if level.copy_ops and self._gated else None)
         copies = copying.copy_level(self._graph, level, self._seeds, level_gate,
                                     lambda t: self._boundary.stub(t, stubs, level_gate))
         roots = [c for c in level.checkpoints if c in copies and c in self._seeds]
