@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from hypothesis import HealthCheck
+import hypothesis
 from hypothesis import given
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -244,6 +245,9 @@ def _second_order(ys, xs, grad_ys, listed, kwargs):
     return fetch
 
 
+_POOLING = frozenset({"max_pool", "avg_pool"})
+
+
 def _check(problem, runtime):
     kinds = {kind for kind, _, _ in problem["nodes"]}
     tolerance = max([1e-9] + [_LOW_PRECISION[k] for k in kinds if k in _LOW_PRECISION])
@@ -268,6 +272,10 @@ def test_random_models_any_checkpoints_match_tf_gradients(problem, runtime):
 @settings(max_examples=max(5, settings.default.max_examples // 4))
 @given(problem=problems())
 def test_random_models_under_xla_in_this_process(problem):
+    kinds = {kind for kind, _, _ in problem["nodes"]}
+    # Stock tf.gradients itself fails there: XLA cannot compile the second-order
+    # gradients of pooling ops ("tf2xla conversion failed" in the stock-only step).
+    hypothesis.assume(not (problem["second_order"] and kinds & _POOLING))
     _check(problem, "xla")
 
 
