@@ -209,9 +209,9 @@ def test_chunked_loop_without_saved_states_reruns_a_chain_in_its_gradient():
 def test_trailing_workspace_runs_beside_the_gradients_below_until_the_next():
     # Where leaf gradients are not ordered (the tail, differentiated where it
     # is), a scratch-free convolution's filter-gradient chain (t05's, then
-    # t02's) keeps its scratch through the gradients below it until the next
-    # such op's gradient starts: t03's scratch meets t05's, t01's meets t02's
-    # only. In a level, leaf gradients run before backprop leaves their block
+    # t02's) keeps its scratch through the gradients below it up to and with
+    # the next such op's gradient: t03's scratch meets t05's, t01's meets
+    # t02's only. In a level, leaf gradients run before backprop leaves their block
     # (tfgraph/leaf_order.py): nothing trails.
     trailing = {"trailing_workspace": {"t05": 1000 * B, "t02": 10 * B}}
     model, names = chain(8, reads="nothing", **trailing)
@@ -223,3 +223,20 @@ def test_trailing_workspace_runs_beside_the_gradients_below_until_the_next():
     assert 1000 * B <= timeline.predict(misses, tail_only).peak_bytes < 1100 * B
     assert 500 * B <= timeline.predict(meets, in_a_level).peak_bytes < 600 * B
     assert timeline.predict(model).baseline_bytes < 100 * B
+
+
+def test_a_trailing_chain_directly_above_another_runs_beside_its_gradient():
+    # t05's and t04's filter-gradient chains are adjacent: no gradient runs
+    # between them. t05's gradient reads t01 (1000 B, no other reader in
+    # backprop); its chain goes on reading it beside t04's gradient, whose
+    # scratch is 500 B: the two meet. Were t05's chain dropped when t04's
+    # starts, t01 would die at t05's gradient and the peak stay near 1000 B.
+    model, names = chain(8, reads="nothing",
+                         trailing_workspace={"t05": B, "t04": B},
+                         workspace={"t04": 500 * B})
+    tensors = dict(model.tensors)
+    tensors["t01"] = dataclasses.replace(tensors["t01"], bytes=1000 * B)
+    grad_reads = {**model.grad_reads, "t05": ("t01",)}
+    model = dataclasses.replace(model, tensors=tensors, grad_reads=grad_reads)
+    tail_only = planning.make_plan(model, set(), "list")
+    assert timeline.predict(model, tail_only).peak_bytes >= 1500 * B

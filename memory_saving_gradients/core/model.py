@@ -111,7 +111,7 @@ class GraphModel:
       trailing_workspace: op name -> scratch of a part of the rewrite's
         gradient of the op that runs on beside the gradients below it (a
         chain of per-tap filter-gradient products): it and what the op's
-        gradient reads stay alive until the next such op's gradient starts.
+        gradient reads stay alive up to and with the next such op's gradient.
     """
     graph: nx.DiGraph
     tensors: Mapping[str, Activation]

@@ -11,8 +11,9 @@ what backprop needs is kept. Gradient ops also hold their output gradients
 and their scratch buffers (`model.workspace`) while they run; in a plan's
 tail, a convolution's filter gradient that is a chain of per-tap products
 (`model.trailing_workspace`) keeps its scratch and what it reads through the
-gradients after it, up to the next such chain, as the executor runs them side
-by side (in a level, leaf gradients are ordered before backprop moves on).
+gradients after it, up to and with the next such chain's gradient, as the
+executor runs them side by side (in a level, leaf gradients are ordered
+before backprop moves on).
 While loops are priced by `loop_events.LoopEvents`. Ops run one at a time,
 as with one inter-op thread; TensorFlow's default threading runs independent
 ops side by side and measures higher on some models (see docs/planner.md).
@@ -236,13 +237,12 @@ class _Replay(LoopEvents):
             source = sources.get(op, _original)
             read = [key for o in row.outputs for key in self.pending.pop(o, ())]
             read += [source(t) for t in row.reads]
+            # A chain still running meets this gradient, the next chain's too.
+            for key in read + list(trailing[0]):
+                self._use(key)
+            self._scratch(trailing[1])
             if self.planned and not leaves_ordered and op in model.trailing_workspace:
                 trailing = (read, model.trailing_workspace[op])
-            else:
-                read += trailing[0]
-                self._scratch(trailing[1])
-            for key in read:
-                self._use(key)
             self._scratch(self.workspace.get(op, 0))
             if op in model.loops:
                 self._loop_backward(op, model.loops[op], source(row.outputs[0])[:-1])
