@@ -13,14 +13,20 @@ inter-op thread), on one model and batch, each variant is a tf.function:
   waiting costs (copies may then run early; memory is not its point);
 * `memory, leaves unordered`: the same rewrite without `leaf_order`
   (chain steps not waiting for the leaf gradients made before them): what
-  that order costs in time and saves in memory.
+  that order costs in time and saves in memory;
+* `memory, stock copies`: the same with
+  `transposed_copies.recomputes_scratch_free` off (plan and copies of
+  transposed convolutions as the stock op, before the scratch-free copies;
+  `benchmarks.transposed_copies` runs it beside tf.gradients and "memory").
 
 The variants are called in turn for `rounds` rounds; medians of wall time
 and of this process's CPU time (all threads) are reported as ratios to
 tf.gradients. CPU time is less disturbed than wall time by other jobs on a
 shared machine, though it counts spinning threads too. The allocator's peak
 (median of 3, weight gradients subtracted) gives the activation memory
-(for `forward`, the whole peak).
+(for `forward`, the whole peak), beside the timeline's prediction for the
+plan of the variant's trace (`predicted`; tf.gradients': its baseline) and
+the FLOPs it recomputes as a fraction of a forward pass (`recompute`).
 Results are appended to results/NAME.jsonl.
 """
 
@@ -32,8 +38,10 @@ import statistics
 import time
 
 from benchmarks.predicted_vs_measured import MODELS, RESULTS, loss_and_weights
+from benchmarks.predicted_vs_measured import loss_and_weights_bytes
 
-VARIANTS = ("tf.gradients", "forward", "memory", "memory, no gates", "memory, leaves unordered")
+VARIANTS = ("tf.gradients", "forward", "memory", "memory, no gates", "memory, leaves unordered",
+            "memory, stock copies")
 
 
 @contextlib.contextmanager
@@ -41,9 +49,11 @@ def _switched_off(variant):
     """The variant's part of the rewrite off while a step is traced (module docstring)."""
     from memory_saving_gradients.tfgraph import gradient_waits
     from memory_saving_gradients.tfgraph import leaf_order
+    from memory_saving_gradients.tfgraph import transposed_copies
     module, name, stand_in = {
         "memory, no gates": (gradient_waits, "gate", lambda gradients: None),
         "memory, leaves unordered": (leaf_order, "order_leaves", lambda *args: 0),
+        "memory, stock copies": (transposed_copies, "recomputes_scratch_free", lambda op: False),
     }.get(variant, (None, None, None))
     if module is None:
         yield
@@ -57,15 +67,18 @@ def _switched_off(variant):
 
 
 def traced(model, inputs, labels, variant):
-    """The variant's step, traced and called twice (warm-up)."""
+    """The variant's step, traced and called twice (warm-up), and the "memory"
+    plan of its trace (None for `forward`)."""
     import tensorflow as tf
     import memory_saving_gradients as msg
+    plans = []
 
     @tf.function
     def step(inputs, labels):
         loss, weights = loss_and_weights(model, inputs, labels)
         if variant == "forward":
             return [loss]
+        plans.append(msg.checkpoint_plan(loss, weights, "memory"))
         if variant == "tf.gradients":
             return [loss] + tf.gradients(loss, weights)
         return [loss] + msg.gradients(loss, weights, checkpoints="memory")
@@ -73,7 +86,7 @@ def traced(model, inputs, labels, variant):
     with _switched_off(variant):
         step.get_concrete_function(inputs, labels)
     step(inputs, labels), step(inputs, labels)
-    return step
+    return step, (plans[0] if plans else None)
 
 
 def timed_rounds(steps, inputs, labels, rounds):
@@ -89,29 +102,41 @@ def timed_rounds(steps, inputs, labels, rounds):
 
 
 def measure(model_name, rounds, variants=VARIANTS):
-    """One row per variant: medians, their ratios to tf.gradients (the first), activation bytes."""
+    """One row per variant: medians, their ratios to tf.gradients (the first), activation
+    bytes measured and predicted."""
     import tensorflow as tf
-    import memory_saving_gradients as msg
     build, data = MODELS[model_name]
     model = build()
     inputs, labels = (tf.constant(a) for a in data())
-    steps = {v: traced(model, inputs, labels, v) for v in variants}
+    traces = {v: traced(model, inputs, labels, v) for v in variants}
+    steps = {v: step for v, (step, _) in traces.items()}
     times = timed_rounds(steps, inputs, labels, rounds)
-    weight_bytes = sum(int(w.numpy().nbytes) for w in model.weights)
     rows = []
     for name, (wall, cpu) in times.items():
-        peaks = [msg.function_peak_bytes(steps[name], inputs, labels)[0] for _ in range(3)]
-        returned = 0 if name == "forward" else weight_bytes  # the weight gradients
         rows.append({"model": model_name, "variant": name, "rounds": rounds,
                      "threads": os.environ.get("TF_NUM_INTEROP_THREADS", "default"),
                      "wall_s": statistics.median(wall), "cpu_s": statistics.median(cpu),
-                     "activation_bytes": int(statistics.median(peaks)) - returned,
+                     **_memory(steps[name], traces[name][1], name, inputs, labels),
                      "wall_all": wall, "cpu_all": cpu})
     base = rows[0]
     for row in rows:
         for key in ("wall_s", "cpu_s", "activation_bytes"):
             row[key.split("_")[0] + "_ratio"] = round(row[key] / base[key], 3)
     return rows
+
+
+def _memory(step, plan, variant, inputs, labels):
+    """The step's activation bytes (median of 3 peaks less the weight gradients it
+    returns; `forward`: the whole peak), the plan's prediction and recompute."""
+    import memory_saving_gradients as msg
+    peaks = [msg.function_peak_bytes(step, inputs, labels)[0] for _ in range(3)]
+    if plan is None:
+        return {"activation_bytes": int(statistics.median(peaks))}
+    estimate = plan.estimate
+    stock = variant == "tf.gradients"
+    return {"activation_bytes": int(statistics.median(peaks)) - loss_and_weights_bytes(plan),
+            "predicted": estimate.baseline_bytes if stock else estimate.peak_bytes,
+            "recompute": 0.0 if stock else estimate.recompute_flops / max(estimate.forward_flops, 1)}
 
 
 def main(argv=None):
@@ -128,10 +153,12 @@ def main(argv=None):
     with (RESULTS / f"{args.out}.jsonl").open("a") as out:
         for row in measure(args.model, args.rounds, args.variants):
             out.write(json.dumps(row) + "\n")
+            predicted = (f", predicted {row['predicted'] / 2**20:.1f} MiB"
+                         if "predicted" in row else "")
             print(f"{row['threads']:>7} {row['variant']:24} wall {row['wall_s']:.3f} s "
                   f"({row['wall_ratio']:.2f}x)  cpu {row['cpu_s']:.3f} s ({row['cpu_ratio']:.2f}x)  "
                   f"activations {row['activation_bytes'] / 2**20:.1f} MiB "
-                  f"({row['activation_ratio']:.3f})", flush=True)
+                  f"({row['activation_ratio']:.3f}){predicted}", flush=True)
 
 
 if __name__ == "__main__":
