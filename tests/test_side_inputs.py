@@ -1,6 +1,7 @@
 """Side inputs (dropout masks) are made again by the levels, not kept from the forward pass."""
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import memory_saving_gradients as msg
@@ -60,23 +61,42 @@ def test_regenerable_needs_pure_ops_from_smaller_tensors():
         assert not inside.regenerable(mask)  # in the region or on its boundary
 
 
-def test_side_input_sharing_a_ref_variables_buffer_is_not_made_again():
+# Views of a ref variable's read that TensorFlow's kernels may hand on as the read's
+# buffer rather than a copy (some only for some shapes: a slice along the first axis of
+# rows of 64 bytes, a transpose by the identity, a zero pad).
+REF_VIEWS = {
+    "the read": lambda v: v,
+    "a reshape": lambda v: tf.reshape(tf.reshape(v, [32]), [2, 16]),
+    "a bitcast": lambda v: tf.bitcast(tf.bitcast(v, tf.int32), tf.float32),
+    "ensure_shape": lambda v: tf.ensure_shape(v, [2, 16]),
+    "check_numerics": lambda v: tf.debugging.check_numerics(v, "v"),
+    "a slice of rows": lambda v: v[0:2],
+    "an identity transpose": lambda v: tf.transpose(v, [0, 1]),
+    "a zero pad": lambda v: tf.pad(v, [[0, 0], [0, 0]]),
+}
+
+
+@pytest.mark.parametrize("view", sorted(REF_VIEWS))
+def test_side_input_sharing_a_ref_variables_buffer_is_not_made_again(view):
     """A tf.compat.v1 ref variable's read shares the variable's buffer, which an assignment
-    changes in place: `tile(v)` made again after the step assigns `v` would see the new value,
-    while the forward pass (and stock tf.gradients) used the old one."""
+    changes in place, and so may what is computed from it: `tile(view(v))` made again after
+    the step assigns `v` would see the new value, while the forward pass (and stock
+    tf.gradients) used the old one."""
     graph = tf.Graph()
     with graph.as_default():
         rng = np.random.RandomState(0)
         x = tf.compat.v1.placeholder(tf.float32, [8, 32])
-        v = tf.compat.v1.Variable([1.0, 0.5], use_resource=False, trainable=False)
+        v = tf.compat.v1.Variable(np.full([2, 16], 0.5, np.float32), use_resource=False,
+                                  trainable=False)
+        scale = tf.tile(REF_VIEWS[view](v), [4, 2])
         weights = [tf.constant(rng.randn(32, 32).astype(np.float32) * 0.3) for _ in range(6)]
         h, tanhs = x, []
         for w in weights:
-            h = tf.tanh(tf.matmul(h, w) * tf.reshape(tf.tile(v, [128]), [8, 32]))
+            h = tf.tanh(tf.matmul(h, w) * scale)
             tanhs.append(h)
         loss = tf.reduce_sum(h * h)
         with tf.control_dependencies([loss]):
-            update = tf.compat.v1.assign_add(v, [10.0, 10.0])
+            update = tf.compat.v1.assign_add(v, np.full([2, 16], 10.0, np.float32))
         with tf.control_dependencies([update]):
             grad_y = tf.ones_like(loss)  # backprop starts after the assignment
         stock = tf.gradients(loss, weights, grad_ys=grad_y)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from memory_saving_gradients.core import timeline
 from memory_saving_gradients.tfgraph import compat
 from memory_saving_gradients.tfgraph import op_kinds
 
@@ -33,6 +32,7 @@ class SideInputs:
     def __init__(self, outside):
         self._outside = outside
         self._memo = {}  # tensor name -> regenerable?
+        self._from_ref = {}  # tensor name -> computed from a ref variable?
 
     def regenerable(self, tensor: tf.Tensor) -> bool:
         """True if `tensor` can be made again from smaller tensors by rerunning pure ops.
@@ -55,7 +55,7 @@ class SideInputs:
                 or not tensor.shape.is_fully_defined() or not op_kinds.is_recomputable(op)):
             return False
         size = op_kinds.tensor_bytes(tensor)
-        return all(_read_as_is(i, size) or self.regenerable(i) for i in op.inputs)
+        return all(self._read_as_is(i, size) or self.regenerable(i) for i in op.inputs)
 
     def made_again(self, tensor: tf.Tensor, made: dict, gate) -> tf.Tensor:
         """`tensor` made again for one level (`made`: that level's, by name), or None.
@@ -69,7 +69,7 @@ class SideInputs:
         if tensor.name not in made:
             op = tensor.op
             size = op_kinds.tensor_bytes(tensor)
-            inputs = [i if _read_as_is(i, size) else self.made_again(i, made, gate)
+            inputs = [i if self._read_as_is(i, size) else self.made_again(i, made, gate)
                       for i in op.inputs]
             waits = [] if any(new is not old for new, old in zip(inputs, op.inputs)) else [gate.op]
             with tensor.graph.control_dependencies(waits):
@@ -80,23 +80,30 @@ class SideInputs:
                 made[old.name] = out
         return made[tensor.name]
 
+    def _read_as_is(self, tensor: tf.Tensor, size: int) -> bool:
+        """True if a tensor made again reads `tensor` itself: a constant (alive anyway), or
+        smaller than the `size` bytes made again (keeping it costs less) and not computed
+        from a ref variable."""
+        return tensor.op.type == "Const" or (tensor.shape.is_fully_defined()
+                                             and op_kinds.tensor_bytes(tensor) < size
+                                             and not self._from_a_ref_variable(tensor))
 
-def _read_as_is(tensor: tf.Tensor, size: int) -> bool:
-    """True if a tensor made again reads `tensor` itself: a constant (alive anyway), or
-    smaller than the `size` bytes made again (keeping it costs less) and not changed in
-    place by the step."""
-    return tensor.op.type == "Const" or (tensor.shape.is_fully_defined()
-                                         and op_kinds.tensor_bytes(tensor) < size
-                                         and not _shares_a_ref_variable(tensor))
-
-
-def _shares_a_ref_variable(tensor: tf.Tensor) -> bool:
-    """True if `tensor` may be a tf.compat.v1 ref variable's buffer (its read, or a view of
-    it): an assignment in the step changes it in place, so read later by a level it no longer
-    holds the value the forward pass read."""
-    while True:
-        if any(compat.is_ref_dtype(t.dtype) for t in [tensor, *tensor.op.inputs]):
-            return True
-        if tensor.op.type not in timeline.ALIASING_OP_TYPES or not tensor.op.inputs:
-            return False
-        tensor = tensor.op.inputs[0]
+    def _from_a_ref_variable(self, tensor: tf.Tensor) -> bool:
+        """True if `tensor` is computed from a tf.compat.v1 ref variable. Its read is the
+        variable's buffer, which an assignment in the step changes in place, and many
+        kernels hand on their input's buffer rather than a copy, some only for some shapes
+        (Identity, Reshape, Bitcast, EnsureShape, CheckNumerics, a slice of whole rows, a
+        transpose by the identity, a zero pad): read later by a level, such a tensor may no
+        longer hold what the forward pass read. Walks back; a walk stops at tensors earlier
+        walks found free of ref variables."""
+        if tensor.name not in self._from_ref:
+            todo, seen, found = [tensor], set(), False
+            while todo and not found:
+                t = todo.pop()
+                if t.name in seen or self._from_ref.get(t.name) is False:
+                    continue
+                seen.add(t.name)
+                found = self._from_ref.get(t.name) or compat.is_ref_dtype(t.dtype)
+                todo.extend(t.op.inputs)
+            self._from_ref[tensor.name] = found
+        return self._from_ref[tensor.name]
