@@ -2,15 +2,16 @@
 
 Keras 3 runs a grouped `Conv2D` (`groups > 1`, e.g. ConvNeXt's 7x7
 depthwise convolutions) in a function compiled by XLA (`_XlaMustCompile`), as
-TensorFlow's CPU kernels refuse grouped convolutions. XLA's CPU backend
-computes that function's filter gradient as a dense convolution over every
-(input, output) channel pair, masks the pairs outside a group and sums:
-its compiled backward holds one preallocated temporary of two
-K x K x C x C arrays (the dense product, then the masked copy). For 7x7 and
-768 channels that is 231,211,008 bytes (XLA's buffer assignment:
-f32[768,7,7,768] + f32[7,7,768,768]), allocated outside any op's annotation
-and taken whatever the batch or image size; ConvNeXtTiny at 64 px, batch 8
-holds it at the peak of a stock step (3x the activations).
+TensorFlow's CPU kernels refuse grouped convolutions. When each input
+channel has one output channel (a plain depthwise convolution), XLA's CPU
+backend computes that function's filter gradient as a dense convolution over
+every (input, output) channel pair, masks the pairs outside a group and sums
+the taps: its compiled backward holds one preallocated temporary of two
+K x K x C x C arrays. For 7x7 and 768 channels that is 231,211,008 bytes
+(XLA's buffer assignment: f32[768,7,7,768] + f32[7,7,768,768]), allocated
+outside any op's annotation and taken whatever the batch or image size;
+ConvNeXtTiny at 64 px, batch 8 holds it at the peak of a stock step (3x the
+activations).
 
 When each group has one input channel (a depthwise convolution, the common
 case), TensorFlow's native depthwise gradient kernels give the same
@@ -52,24 +53,47 @@ def native_gradients(ops: Iterable[tf.Operation]) -> Iterator[None]:
 def is_eligible(op: tf.Operation) -> bool:
     """True for an XLA-compiled call of one depthwise-form grouped convolution
     (see the module docstring) whose gradient may be taken natively."""
-    if (op.type not in _CALL_TYPES or len(op.outputs) != 1
-            or "_gradient_op_type" in op.node_def.attr
+    if (_depthwise_filter_shape(op) is None or "_gradient_op_type" in op.node_def.attr
             or tf.config.list_logical_devices("GPU") or "GPU" in op.device.upper()):
         return False
-    conv = _convolution(op)
-    if conv is None:
-        return False
-    image, w = (op.inputs[i] for i in conv["inputs"])
-    shape = _filter_shape(w)
-    if shape is None or shape.rank != 4 or not shape.is_fully_defined():
-        return False
-    channels = image.shape[-1]
-    if not (channels and shape[2] == 1 and channels > 1 and shape[3] % channels == 0):
-        return False
+    w = op.inputs[_convolution(op)["inputs"][1]]
     if w.dtype != tf.resource:
         return True
     found = graph_cache.per_graph(op.graph, writers.VariableWriters)
     return not loops.assigned_meanwhile(op, found)
+
+
+def stock_workspace_bytes(op: tf.Operation) -> int:
+    """XLA's temporary in the stock gradient of a depthwise convolution call
+    with one output channel per input channel on CPU: two K x K x C x C arrays
+    (its buffer assignment, 7x7: f32[C,7,7,C] and f32[7,7,C,C] at C = 64 and
+    768). With more output channels per input XLA takes per-pixel ones (measured
+    0.1 MiB at C = 64, M = 128): 0 then, and for other ops."""
+    shape = _depthwise_filter_shape(op)
+    if shape is None or tf.config.list_logical_devices("GPU"):
+        return 0
+    kh, kw, _, outputs = shape.as_list()
+    if outputs != op.inputs[_convolution(op)["inputs"][0]].shape[-1]:
+        return 0
+    return 2 * kh * kw * outputs * outputs * op.outputs[0].dtype.size
+
+
+def _depthwise_filter_shape(op: tf.Operation):
+    """The filter shape [K, K, 1, M] of the convolution call `op` is when it is
+    one of depthwise form (C image channels, M a multiple of C), else None."""
+    if op.type not in _CALL_TYPES or len(op.outputs) != 1:
+        return None
+    conv = _convolution(op)
+    if conv is None:
+        return None
+    image, w = (op.inputs[i] for i in conv["inputs"])
+    shape = _filter_shape(w)
+    if shape is None or shape.rank != 4 or not shape.is_fully_defined():
+        return None
+    channels = image.shape[-1]
+    if not (channels and channels > 1 and shape[2] == 1 and shape[3] % channels == 0):
+        return None
+    return shape
 
 
 def _convolution(op: tf.Operation):
