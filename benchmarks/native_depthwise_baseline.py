@@ -27,12 +27,7 @@ def main():
     import memory_saving_gradients as msg
     from benchmarks import predicted_vs_measured as pvm
     from memory_saving_gradients.tfgraph import grouped_conv_calls
-    if args.threads == "1":
-        tf.config.threading.set_inter_op_parallelism_threads(1)
-    build, data = pvm.model_by_name(args.model)
-    model = build()
-    inputs, labels = (tf.constant(a) for a in data())
-
+    model, inputs, labels = pvm.model_and_data(args.model, args.threads)
     weights = {}
 
     def step(native):

@@ -11,7 +11,6 @@ import numpy as np
 import tensorflow as tf
 
 import memory_saving_gradients as msg
-from memory_saving_gradients.tfgraph import grouped_conv_calls
 
 MIB = 2 ** 20
 
