@@ -107,13 +107,8 @@ def main():
     parser.add_argument("--threads", default="default")
     parser.add_argument("--top", type=int, default=25)
     args = parser.parse_args()
-    import tensorflow as tf
     from benchmarks import predicted_vs_measured as pvm
-    if args.threads == "1":
-        tf.config.threading.set_inter_op_parallelism_threads(1)
-    build, data = pvm.model_by_name(args.model)
-    model = build()
-    inputs, labels = (tf.constant(a) for a in data())
+    model, inputs, labels = pvm.model_and_data(args.model, args.threads)
     traced = pvm._traced_step(model, inputs, labels, args.method, False)  # pylint: disable=protected-access
     plan = traced["plan"]
     peak, live = measured_live_at_peak(allocator_events(traced["step"], inputs, labels))

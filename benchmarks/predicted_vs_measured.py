@@ -130,6 +130,18 @@ def loss_and_weights(model, inputs, labels):
     return loss, model.trainable_weights
 
 
+def model_and_data(model_name, threads):
+    """(model, inputs, labels) of `model_by_name(model_name)`, TensorFlow set to
+    one inter-op thread first if `threads` is "1" (before any op runs)."""
+    import tensorflow as tf
+    if threads == "1":
+        tf.config.threading.set_inter_op_parallelism_threads(1)
+    build, data = model_by_name(model_name)
+    model = build()
+    inputs, labels = (tf.constant(a) for a in data())
+    return model, inputs, labels
+
+
 def measure(model_name, methods, threads, jit=False):
     """Rows (one per method): predicted and measured activation bytes.
 
@@ -137,12 +149,7 @@ def measure(model_name, methods, threads, jit=False):
     and warmed up before its peaks are taken (the statistics are reset per
     call), on the same model and batch.
     """
-    import tensorflow as tf
-    if threads == "1":
-        tf.config.threading.set_inter_op_parallelism_threads(1)
-    build, data = model_by_name(model_name)
-    model = build()
-    inputs, labels = (tf.constant(a) for a in data())
+    model, inputs, labels = model_and_data(model_name, threads)
     traced = {method: _traced_or_error(model, inputs, labels, method, jit) for method in methods}
     steps = {m: t for m, t in traced.items() if "error" not in t}
     seconds = _step_seconds({m: t["step"] for m, t in steps.items()}, inputs, labels)

@@ -191,19 +191,35 @@ def set_gradient_override(op: tf.Operation, gradient_name) -> None:
 @contextlib.contextmanager
 def gradients_overridden(ops: list, gradient_name: str):
     """Within, tf.gradients uses the gradient registered as `gradient_name`
-    for each of `ops`; their own gradients again after."""
+    for each of `ops`; their own gradients again after.
+
+    A tf.function call op carries its gradient as a Python attribute, which
+    tf.gradients prefers to the registered one: it is set aside meanwhile.
+    """
+    own = {op: op._gradient_function for op in ops}  # pylint: disable=protected-access
     for op in ops:
         set_gradient_override(op, gradient_name)
+        op._gradient_function = None  # pylint: disable=protected-access
     try:
         yield
     finally:
         for op in ops:
             set_gradient_override(op, None)
+            op._gradient_function = own[op]  # pylint: disable=protected-access
 
 
 def copy_handle_data(source: tf.Tensor, target: tf.Tensor) -> None:
     """Gives `target` the resource/TensorList handle data (dtype, shape) of `source`."""
     handle_data_util.copy_handle_data(source, target)
+
+
+def resource_shape(handle: tf.Tensor):
+    """The shape of the variable behind resource tensor `handle` as its handle
+    data records it, or None when none is recorded."""
+    data = handle_data_util.get_resource_handle_data(handle)
+    if data is None or not data.is_set or not data.shape_and_type:
+        return None
+    return tf.TensorShape(data.shape_and_type[0].shape)
 
 
 def set_parallel_iterations(loop: tf.Operation, count: int) -> None:

@@ -23,6 +23,7 @@ from memory_saving_gradients.tfgraph import loop_memory
 from memory_saving_gradients.tfgraph import loops
 from memory_saving_gradients.tfgraph import op_kinds
 from memory_saving_gradients.tfgraph import conv_gradients
+from memory_saving_gradients.tfgraph import grouped_conv_calls
 from memory_saving_gradients.tfgraph import transposed_copies
 from memory_saving_gradients.tfgraph import workspace
 
@@ -257,6 +258,11 @@ def _record_backprop(op, op_inputs, activations, regions, backprop):
         filter_chain = conv_gradients.workspace_bytes(op, input_gradient=False)
         if filter_chain and inputs_differentiated[1]:
             backprop["trailing_workspace"][op.name] = filter_chain
+    xla_dense = grouped_conv_calls.stock_workspace_bytes(op)
+    if xla_dense and grouped_conv_calls.is_eligible(op):  # the rewrite takes native kernels
+        backprop["stock_workspace"][op.name] = scratch + measured + xla_dense
+    elif xla_dense:
+        measured += xla_dense
     backprop["workspace"][op.name] = scratch + measured
     backprop["weight_grad_bytes"][op.name] = sum(
         op_kinds.tensor_bytes(t) for t in op_inputs

@@ -33,6 +33,7 @@ from memory_saving_gradients.tfgraph import gradient_waits
 from memory_saving_gradients.tfgraph import leaf_order
 from memory_saving_gradients.tfgraph import op_kinds
 from memory_saving_gradients.tfgraph import conv_gradients
+from memory_saving_gradients.tfgraph import grouped_conv_calls
 from memory_saving_gradients.tfgraph import loop_chunks
 from memory_saving_gradients.tfgraph import side_inputs
 from memory_saving_gradients.tfgraph.ledger import GradientLedger
@@ -47,9 +48,10 @@ def backprop(reading: Reading, plan: Plan, ys, xs, grad_ys, stop_gradients, tf_k
     region_ops = {graph.get_tensor_by_name(n).op for n in reading.region}
     # Loops differentiated where they are (not copied) are rerun in chunks too;
     # unit-stride convolutions, originals and copies, get gradients without
-    # the CPU kernels' scratch.
+    # the CPU kernels' scratch, and XLA-compiled depthwise ones without XLA's.
     with loop_chunks.chunked_gradients(loop_chunks.rerunnable_in(graph, reading.region)), \
-            conv_gradients.scratch_free_gradients(region_ops):
+            conv_gradients.scratch_free_gradients(region_ops), \
+            grouped_conv_calls.native_gradients(region_ops):
         run.to_checkpoints(ys, grad_ys)
         for number, level in reversed(list(enumerate(plan.levels))):
             run.through_level(number, level)
