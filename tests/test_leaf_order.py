@@ -85,6 +85,27 @@ def test_each_blocks_leaf_gradients_run_before_the_next_blocks_relu_gradient():
             assert waits_for(relu_grad, leaf), (leaf.name, relu_grad.name)
 
 
+def test_a_blocks_bias_gradient_runs_before_its_input_gradient_matmul():
+    # The input gradient of a block's second matmul reads no recomputed
+    # tensor; with default threading it ran beside the bias gradient made
+    # before it (and the next op beside both) while that still held its input.
+    ctx = Context()
+
+    @tf.function(autograph=False)
+    def step(x):
+        model = _residual_mlp(ctx, x)
+        return msg.gradients(model.ys, model.xs, checkpoints=model.lists["six"])
+
+    graph = step.get_concrete_function(tf.TensorSpec((8, 16))).graph
+    for block in range(BLOCKS - 1):
+        bias_grads = [op for op in _recomputed_gradient_ops(graph, block, ("BiasAddGrad",))
+                      if "MatMul_1" not in op.name and "BiasAdd_1" in op.name]
+        input_grads = [op for op in _recomputed_gradient_ops(graph, block, ("MatMul",))
+                       if "MatMul_1_grad" in op.name and not op.get_attr("transpose_a")]
+        assert len(bias_grads) == 1 and len(input_grads) == 1, (bias_grads, input_grads)
+        assert waits_for(input_grads[0], bias_grads[0]), (block, input_grads[0].name)
+
+
 @pytest.mark.parametrize("runtime", ["function", "session",
                                      pytest.param("xla", marks=pytest.mark.slow)])
 def test_gradients_equal_stock_with_ordered_leaves(runtime):

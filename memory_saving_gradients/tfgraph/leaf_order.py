@@ -9,12 +9,16 @@ level, so every leaf's inputs (a recomputed activation, a gradient buffer)
 stay alive together: on the 256-block MLP 14 blocks' weight gradients were
 still to run at the one-thread peak, holding 21 MiB (docs/planner.md).
 
-Here each leaf becomes a control input of the next chain op that reads a
-recomputed tensor (in the order tf.gradients made them, which is backprop's
-order): the chain moves past at most one such step before a leaf has run,
-whatever the thread count. With several threads a leaf still runs beside
-the chain ops up to that step (the input gradient of its own layer). Each
-edge runs from an earlier-made op to a later one, so no cycle can form.
+Here each leaf becomes a control input of the next chain op made after it
+(tf.gradients makes them in backprop's order), whatever the thread count.
+Waiting only at the chain's next read of a recomputed tensor was not enough
+with default threading: the chain ops in between (a padded convolution's
+input gradient, then the slice that unpads it) ran beside the leaf, each
+allocating a full-size buffer while the leaf still held the recomputed input
+both read; on MobileNetV2 at batch 112 that was one 42 MiB buffer more at
+the peak (docs/planner.md). A leaf still runs beside the chain op made just
+before it (its own layer's input gradient, which reads the same tensors).
+Each edge runs from an earlier-made op to a later one, so no cycle can form.
 """
 
 from __future__ import annotations
@@ -25,14 +29,14 @@ from memory_saving_gradients.tfgraph.gradient_waits import gradient_tensors
 
 def order_leaves(new_ops: list, seeds: list, recomputed: set, to_weights: list,
                  onward: list) -> int:
-    """Makes each chain step wait for the leaf gradient ops made before it.
+    """Makes each chain op wait for the leaf gradient ops made before it.
 
     The chain: ops reading a gradient from which a data path leads to the
     gradients sent `onward` (to the level's checkpoints and xs) or to another
-    op reading a recomputed tensor. A step: a chain op reading a recomputed
-    tensor. A leaf: an op reading a gradient off the chain on the way to the
-    gradients `to_weights` (tf.gradients also makes ops nobody reads; the
-    executor skips them, and a step waiting for one would make it run).
+    op reading a recomputed tensor (a step). A leaf: an op reading a
+    gradient off the chain on the way to the gradients `to_weights`
+    (tf.gradients also makes ops nobody reads; the executor skips them, and
+    a chain op waiting for one would make it run).
     `new_ops`: the ops one tf.gradients call made, in creation order;
     `seeds`: the gradients it started from; `recomputed`: refs of the
     level's copied tensors. Returns how many control inputs were added.
@@ -46,7 +50,7 @@ def order_leaves(new_ops: list, seeds: list, recomputed: set, to_weights: list,
     added = 0
     waiting = []
     for op in new_ops:
-        if op in steps and op in on_chain:
+        if op in on_chain:
             added += _wait_for(op, waiting)
             waiting = []
         elif op in needed and op not in on_chain:
