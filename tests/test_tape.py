@@ -105,3 +105,57 @@ def test_stop_gradient_inside_the_tape(weights, caplog):
 
     ours = vs_stock(step, [X], caplog)
     assert ours[2] is None
+
+
+def test_nested_function_call_on_the_path_keeps_ours(weights, caplog):
+    # TensorFlow makes a nested call op with recording paused, then records it by hand.
+    w, u = weights
+
+    @tf.function
+    def inner(h):
+        return tf.tanh(h @ w) * 2.0
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            h = tanh_chain(inner(tanh_chain(x, w)), w)
+            y = tf.reduce_sum(h * u)
+        return tape.gradient(y, [w, u])
+
+    vs_stock(step, [X], caplog)
+
+
+def test_nested_function_call_under_stop_recording_falls_back(weights, caplog):
+    w, u = weights
+
+    @tf.function
+    def inner(h):
+        return tf.tanh(h @ w)
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            h = tanh_chain(x, w)
+            with tape.stop_recording():
+                h = inner(h)
+            y = tf.reduce_sum(tanh_chain(h, w) * u)
+        return tape.gradient(y, [w, u])
+
+    vs_stock(step, [X], caplog, expect_ours=False)
+
+
+def test_keras_grouped_convolution_call_keeps_ours(caplog):
+    # Keras 3 runs a grouped Conv2D as an XLA-compiled function call (ConvNeXt).
+    import keras  # pylint: disable=import-outside-toplevel
+    grouped = keras.layers.Conv2D(8, 3, groups=8, padding="same")
+    mixing = keras.layers.Conv2D(8, 1, activation="tanh")
+    images = tf.random.stateless_normal([4, 8, 8, 8], seed=[5, 6])
+    mixing(grouped(images))
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            h = x
+            for _ in range(3):
+                h = mixing(tf.tanh(grouped(h)))
+            y = tf.reduce_sum(h * h)
+        return tape.gradient(y, grouped.trainable_weights + mixing.trainable_weights)
+
+    vs_stock(step, [images], caplog)

@@ -43,6 +43,7 @@ def install(active: Callable[[], Optional[object]]) -> None:
         _stock[name] = getattr(tf.GradientTape, name)
         setattr(tf.GradientTape, name, functools.wraps(_stock[name])(wrapper))
     compat.wrap_unrecorded_op_makers(unrecorded.noting)
+    compat.wrap_tape_recorders(unrecorded.noting_recorded)
 
 
 def _record(tape) -> tape_record.Record:

@@ -28,11 +28,12 @@ class Record:
         """Whether an op of `graph` was created while the tape recorded (not paused)."""
         spans = self.spans.get(graph, [])
         pauses = unrecorded.spans(graph)
+        by_hand = unrecorded.recorded_by_hand(graph)
 
         def recorded(op):
             at = compat.creation_version(op)
             return (any(s < at and (e is None or at <= e) for s, e in spans)
-                    and not any(s < at <= e for s, e in pauses))
+                    and (op.name in by_hand or not any(s < at <= e for s, e in pauses)))
         return recorded
 
 

@@ -62,6 +62,23 @@ def wrap_unrecorded_op_makers(wrap) -> None:
         setattr(module, name, wrap(getattr(module, name)))
 
 
+def wrap_tape_recorders(wrap) -> None:
+    """Replaces the functions that put an op on every recording tape by hand.
+
+    TensorFlow makes a nested function's call op under `stop_recording`
+    and then records it with `record_operation` (its backward function is
+    the function's own); `wrap(original)` sees those calls. Callers look
+    them up on the module at call time.
+    """
+    for name in ("record_operation", "record_operation_backprop_only"):
+        setattr(record, name, wrap(getattr(record, name)))
+
+
+def tape_would_record(tensors) -> bool:
+    """True if a recording (not paused) GradientTape watches one of `tensors`."""
+    return record.should_record_backprop(tensors)
+
+
 def forward_op_of_gradient(op: tf.Operation):
     """The forward op a gradient op was made for (tf.gradients records it)."""
     return op._original_op  # pylint: disable=protected-access
