@@ -62,7 +62,7 @@ def _key(op):
                          # Private attrs do not change the gradient, except the
                          # one naming a tf.custom_gradient's own gradient function.
                          if not name.startswith("_") or name == "_gradient_op_type"))
-    signature = tuple((t.dtype.name, _dims(t.shape)) for t in list(op.inputs) + list(op.outputs))
+    signature = tuple((t.dtype, _dims(t.shape)) for t in (*op.inputs, *op.outputs))
     return op.type, attrs, signature, _read_outputs(op)
 
 
