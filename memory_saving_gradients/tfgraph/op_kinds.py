@@ -56,10 +56,10 @@ def is_recomputable(op: tf.Operation, rerunnable_loops=frozenset()) -> bool:
         return False  # inside a tf.compat.v1 while/cond body
     if op.type in loops.LOOP_OP_TYPES:
         return op in rerunnable_loops
-    if op.type in CONTROL_FLOW_OP_TYPES or compat.is_function_op(op):
-        return False  # control flow, or a call of a graph function by its own op type
-    if not effects.type_reruns_identically(op.type):
-        return False  # side effects, hidden state or random draws
+    if op.type in CONTROL_FLOW_OP_TYPES or not effects.type_reruns_identically(op.type):
+        # Side effects, hidden state or random draws; or a call of a graph
+        # function by its own op type (not a registered op type).
+        return False
     return not any(_not_recomputable_dtype(t.dtype) for t in (*op.inputs, *op.outputs))
 
 
