@@ -175,7 +175,7 @@ def build_model(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor]) -> Reading:
     activations = _activations(units, inputs, set(ops), data)
     rerunnable = loops.rerunnable_loops(units)
     x_names = {x.name for x in xs}
-    tensors, pinned, op_outputs, edges = {}, set(), {}, []
+    tensors, pinned, op_outputs, op_inputs, edges = {}, set(), {}, {}, []
     other_bytes = 0
     region = frozenset(o.name for op in units for o in op.outputs)
     regions = (region - activations, region | x_names)
@@ -184,6 +184,7 @@ def build_model(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor]) -> Reading:
                 "trailing_workspace": {}}
     for op in units:
         name = op.name
+        op_inputs[name] = tuple(i.name for i in inputs[op])
         outs = {o.name: o for o in op.outputs}  # names asked once: each ask calls into TF
         if activations.isdisjoint(outs):
             other_bytes += sum(op_kinds.tensor_bytes(o) for o in outs.values())
@@ -199,7 +200,7 @@ def build_model(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor]) -> Reading:
         cost = (loop_memory.loop_cost(op) if op.type in loops.LOOP_OP_TYPES
                 else op_kinds.op_cost(op))
         op_outputs[name] = tuple(n for n in outs if n in activations)
-        act_inputs = [n for n in (i.name for i in inputs[op]) if n in activations]
+        act_inputs = [n for n in op_inputs[name] if n in activations]
         for n in op_outputs[name]:
             o = outs[n]
             tensors[n] = Activation(
@@ -225,17 +226,15 @@ def build_model(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor]) -> Reading:
         ys=tuple(y.name for y in ys if y.name in activations),
         op_outputs=op_outputs, other_bytes=other_bytes, num_region_ops=len(ops),
         loops=loop_facts, **backprop)
-    return Reading(model=model, region=region,
-                   op_inputs={op.name: tuple(i.name for i in inputs[op]) for op in units})
+    return Reading(model=model, region=region, op_inputs=op_inputs)
 
 
 def _record_backprop(op, op_inputs, activations, regions, backprop):
     """What `op`'s gradient reads, allocates besides its results, sends to weights.
 
-    `regions`: (names of the region's tensors that are not activations: what
-    it sends gradients to are weights; names of the region's tensors and the
-    xs: what backprop takes gradients of; other inputs' gradient branches are
-    pruned).
+    `regions`: (names of the region's tensors that are not activations, whose
+    gradients are weight gradients; names of the region's tensors and the xs,
+    what backprop takes gradients of: other inputs' gradient branches are pruned).
     """
     weights, differentiated = regions
     name = op.name
