@@ -84,6 +84,8 @@ def _read_outputs(op):
 
 
 def _reads(op, wanted):
+    """The Reads of `op`'s registered gradient, probed (two threads tracing at
+    once may both probe one kind: the same answer, stored twice)."""
     everything = Reads(tuple(range(len(op.inputs))), tuple(range(len(op.outputs))))
     try:
         grad_fn = compat.gradient_function(op)
