@@ -76,3 +76,25 @@ def test_fractional_pooling_between_recomputed_segments(runtime, pool):
     x = np.random.RandomState(0).randn(2, 9, 9, 2).astype(np.float32)
     outcome = gradients_vs_stock(runtime, build, {"x": x}, modes=("memory",))
     assert_matches_stock(outcome, forward_unchanged=False)
+
+
+def test_recomputability_is_asked_by_op_type():
+    """`op_kinds.is_recomputable` asks `effects.type_reruns_identically` (one
+    registry look-up per op type): a call of a graph function by its own op
+    type is no registered type, so it is kept, as are random ops."""
+    from tensorflow.python.framework import function
+
+    from memory_saving_gradients.tfgraph import op_kinds
+
+    with tf.Graph().as_default():
+        @function.Defun(tf.float32)
+        def twice(x):
+            return x * 2.0
+
+        x = tf.compat.v1.placeholder(tf.float32, (3,))
+        call = twice(x).op
+        assert op_def_registry.get(call.type) is None
+        assert not effects.type_reruns_identically(call.type)
+        assert not op_kinds.is_recomputable(call)
+        assert not op_kinds.is_recomputable(tf.random.uniform((3,)).op)
+        assert op_kinds.is_recomputable(tf.tanh(x).op)

@@ -280,8 +280,8 @@ class _Replay(LoopEvents):
         count = len(self.born)
         starts = np.fromiter((start for start, _ in self.born.values()), np.int64, count)
         sizes = np.fromiter((size for _, size in self.born.values()), np.int64, count)
-        stops = np.fromiter((end if self.last_use[key] == _END else self.last_use[key] + 1
-                             for key in self.born), np.int64, count)
+        last_use = np.fromiter((self.last_use[key] for key in self.born), np.float64, count)
+        stops = np.where(last_use == _END, end, last_use + 1).astype(np.int64)
         delta = np.zeros(end + 1, np.int64)
         np.add.at(delta, starts, sizes)
         np.add.at(delta, stops, -sizes)

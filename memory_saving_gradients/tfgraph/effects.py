@@ -12,7 +12,11 @@ has no seed attribute (no random draw). `tests/test_effects.py` checks this
 against every op type in the registry.
 """
 
+import functools
+
 from tensorflow.core.framework import op_def_pb2
+
+from memory_saving_gradients.tfgraph import compat
 
 SEED_ATTRS = frozenset({"seed", "seed2"})
 
@@ -25,3 +29,12 @@ def draws_random_numbers(op_def: op_def_pb2.OpDef) -> bool:
 def reruns_identically(op_def: op_def_pb2.OpDef) -> bool:
     """True if rerunning an op of this type on the same inputs gives the same outputs."""
     return not op_def.is_stateful and not draws_random_numbers(op_def)
+
+
+@functools.lru_cache(maxsize=None)
+def type_reruns_identically(op_type: str) -> bool:
+    """`reruns_identically` of registered op type `op_type`, looked up once per
+    type (registered OpDefs never change; reading asks it for every op). False
+    for a type that is not registered: a graph function's name."""
+    op_def = compat.op_def(op_type)
+    return op_def is not None and reruns_identically(op_def)

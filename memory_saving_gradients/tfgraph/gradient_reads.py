@@ -15,7 +15,6 @@ type, attributes, dtypes and shapes.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 
 import tensorflow as tf
@@ -26,6 +25,9 @@ from memory_saving_gradients.tfgraph import gradient_waits
 from memory_saving_gradients.tfgraph import op_kinds
 
 logger = logging.getLogger(__name__)
+
+# `_key(op) + (wanted,)` -> Reads, for the process (a probe builds a scratch graph).
+_READS = {}
 
 # Consumers that need only a tensor's shape: they run as soon as the tensor
 # exists (during the forward pass), so they do not keep it alive for backprop.
@@ -53,7 +55,10 @@ def gradient_reads(op: tf.Operation, wanted: tuple = None) -> Reads:
     which never under-counts memory.
     """
     wanted = tuple(wanted) if wanted is not None else (True,) * len(op.inputs)
-    return _cached_reads(_key(op) + (wanted,), _Probe(op))
+    key = _key(op) + (wanted,)
+    if key not in _READS:
+        _READS[key] = _reads(op, wanted)
+    return _READS[key]
 
 
 def _key(op):
@@ -62,7 +67,7 @@ def _key(op):
                          # Private attrs do not change the gradient, except the
                          # one naming a tf.custom_gradient's own gradient function.
                          if not name.startswith("_") or name == "_gradient_op_type"))
-    signature = tuple((t.dtype.name, _dims(t.shape)) for t in list(op.inputs) + list(op.outputs))
+    signature = tuple((t.dtype.name, _dims(t.shape)) for t in (*op.inputs, *op.outputs))
     return op.type, attrs, signature, _read_outputs(op)
 
 
@@ -78,22 +83,9 @@ def _read_outputs(op):
     return tuple(bool(t.consumers()) for t in op.outputs)
 
 
-class _Probe:
-    """Carries the op into the cached function without taking part in its key."""
-
-    def __init__(self, op):
-        self.op = op
-
-    def __hash__(self):
-        return 0
-
-    def __eq__(self, other):
-        return isinstance(other, _Probe)
-
-
-@functools.lru_cache(maxsize=None)
-def _cached_reads(key, probe):  # pylint: disable=unused-argument  # key is the cache key
-    op = probe.op
+def _reads(op, wanted):
+    """The Reads of `op`'s registered gradient, probed (two threads tracing at
+    once may both probe one kind: the same answer, stored twice)."""
     everything = Reads(tuple(range(len(op.inputs))), tuple(range(len(op.outputs))))
     try:
         grad_fn = compat.gradient_function(op)
@@ -102,7 +94,7 @@ def _cached_reads(key, probe):  # pylint: disable=unused-argument  # key is the 
     if grad_fn is None:
         return Reads((), ())
     try:
-        return _probe(op, grad_fn, wanted=key[-1])
+        return _probe(op, grad_fn, wanted)
     except Exception as error:  # pylint: disable=broad-except  # any failure: assume the worst
         logger.debug("gradient of %s (%s) not probed, taken to read everything: %s",
                      op.name, op.type, error)

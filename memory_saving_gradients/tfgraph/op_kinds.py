@@ -5,6 +5,7 @@ Facts about single ops; reading.py applies them to a region.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import tensorflow as tf
@@ -55,13 +56,17 @@ def is_recomputable(op: tf.Operation, rerunnable_loops=frozenset()) -> bool:
         return False  # inside a tf.compat.v1 while/cond body
     if op.type in loops.LOOP_OP_TYPES:
         return op in rerunnable_loops
-    if op.type in CONTROL_FLOW_OP_TYPES or not effects.reruns_identically(op.op_def):
-        return False  # side effects, hidden state or random draws
-    if compat.is_function_op(op):
-        return False  # call of a graph function by its own op type
-    tensors = list(op.inputs) + list(op.outputs)
-    return not any(compat.is_ref_dtype(t.dtype) or t.dtype.base_dtype in OPAQUE_DTYPES
-                   for t in tensors)
+    if op.type in CONTROL_FLOW_OP_TYPES or not effects.type_reruns_identically(op.type):
+        # Side effects, hidden state or random draws; or a call of a graph
+        # function by its own op type (not a registered op type).
+        return False
+    return not any(_not_recomputable_dtype(t.dtype) for t in (*op.inputs, *op.outputs))
+
+
+@functools.lru_cache(maxsize=None)
+def _not_recomputable_dtype(dtype: tf.DType) -> bool:
+    """Reference and opaque dtypes (asked once per dtype: reading asks it per tensor)."""
+    return compat.is_ref_dtype(dtype) or dtype.base_dtype in OPAQUE_DTYPES
 
 
 def in_v1_control_flow(op: tf.Operation, output: bool = False) -> bool:
@@ -91,20 +96,30 @@ def outermost_while_loop(op: tf.Operation):
 
 def tensor_bytes(t: tf.Tensor) -> int:
     """Bytes of `t` from its static shape; unknown dims count as 1."""
-    dims = t.shape.as_list() if t.shape.rank is not None else []
-    elements = math.prod(d if d is not None else 1 for d in dims)
-    size = t.dtype.size if t.dtype.base_dtype not in OPAQUE_DTYPES else 8
-    return int(elements * size)
+    return tensor_elements(t) * _item_bytes(t.dtype)
+
+
+def tensor_elements(t: tf.Tensor) -> int:
+    """Elements of `t` from its static shape; unknown dims count as 1."""
+    shape = t.shape
+    if shape.rank is None:
+        return 1
+    return math.prod(d if d is not None else 1 for d in shape.as_list())
+
+
+@functools.lru_cache(maxsize=None)
+def _item_bytes(dtype: tf.DType) -> int:
+    """Bytes of one element; 8 for opaque dtypes (a handle or pointer)."""
+    return dtype.size if dtype.base_dtype not in OPAQUE_DTYPES else 8
 
 
 def op_cost(op: tf.Operation) -> int:
     """Rough FLOPs of `op`: exact-ish for contractions, output size otherwise."""
-    out_elems = sum(tensor_bytes(o) // max(o.dtype.size, 1) for o in op.outputs
+    out_elems = sum(tensor_elements(o) for o in op.outputs
                     if o.dtype.base_dtype not in OPAQUE_DTYPES)
     if op.type in _CONTRACTION_OP_TYPES:
         shape = op.inputs[0].shape
-        inner_axis = -2 if op.get_attr("adj_x" if "adj_x" in op.node_def.attr
-                                       else "transpose_a") else -1
+        inner_axis = -2 if op.get_attr("transpose_a" if op.type == "MatMul" else "adj_x") else -1
         inner = shape[inner_axis] if shape.rank else None
         return 2 * out_elems * (inner or 1)
     if op.type.startswith(("Conv", "DepthwiseConv")) and len(op.inputs) > 1:

@@ -176,64 +176,69 @@ def build_model(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor]) -> Reading:
     activations = _activations(units, inputs, set(ops), data)
     rerunnable = loops.rerunnable_loops(units)
     x_names = {x.name for x in xs}
-    graph, tensors, pinned, op_outputs = nx.DiGraph(), {}, set(), {}
+    tensors, pinned, op_outputs, op_inputs, edges = {}, set(), {}, {}, []
     other_bytes = 0
     region = frozenset(o.name for op in units for o in op.outputs)
-    differentiated = region | x_names
+    regions = (region - activations, region | x_names)
     backprop = {"grad_reads": {}, "workspace": {}, "weight_grad_bytes": {},
                 "stock_workspace": {}, "run_workspace": {}, "recompute_workspace": {},
                 "trailing_workspace": {}}
     for op in units:
-        outs = [o for o in op.outputs if o.name in activations]
-        if not outs:
-            other_bytes += sum(op_kinds.tensor_bytes(o) for o in op.outputs)
+        name = op.name
+        op_inputs[name] = tuple(i.name for i in inputs[op])
+        outs = {o.name: o for o in op.outputs}  # names asked once: each ask calls into TF
+        if activations.isdisjoint(outs):
+            other_bytes += sum(op_kinds.tensor_bytes(o) for o in outs.values())
             continue
-        _record_backprop(op, inputs[op], activations, (region, differentiated), backprop)
-        backprop["run_workspace"][op.name] = workspace.run_workspace_bytes(op)
+        _record_backprop(op, inputs[op], activations, regions, backprop)
+        backprop["run_workspace"][name] = workspace.run_workspace_bytes(op)
         if transposed_copies.recomputes_scratch_free(op):
-            backprop["recompute_workspace"][op.name] = transposed_copies.copy_workspace_bytes(op)
+            backprop["recompute_workspace"][name] = transposed_copies.copy_workspace_bytes(op)
         # An x's own op is differentiated as it is: the gradients below it
         # must read the x itself, or a gradient of them (second order) would
         # miss their dependence on that x.
-        recomputable = (op_kinds.is_recomputable(op, rerunnable)
-                        and not any(o.name in x_names for o in op.outputs))
+        recomputable = (op_kinds.is_recomputable(op, rerunnable) and x_names.isdisjoint(outs))
         cost = (loop_memory.loop_cost(op) if op.type in loops.LOOP_OP_TYPES
                 else op_kinds.op_cost(op))
-        op_outputs[op.name] = tuple(o.name for o in outs)
-        act_inputs = [i.name for i in inputs[op] if i.name in activations]
-        for o in outs:
-            tensors[o.name] = Activation(
-                name=o.name, op=op.name, op_type=op.type, bytes=loop_memory.list_bytes(o),
+        op_outputs[name] = tuple(n for n in outs if n in activations)
+        act_inputs = [n for n in op_inputs[name] if n in activations]
+        for n in op_outputs[name]:
+            o = outs[n]
+            tensors[n] = Activation(
+                name=n, op=name, op_type=op.type, bytes=loop_memory.list_bytes(o),
                 cost=cost, recomputable=recomputable,
                 is_float=o.dtype.is_floating or loop_memory.is_float_list(o))
-            graph.add_node(o.name)
-            graph.add_edges_from((i, o.name) for i in act_inputs)
+            edges.extend((i, n) for i in act_inputs)
         if not recomputable:
-            pinned.update(o.name for o in outs)
+            pinned.update(op_outputs[name])
             pinned.update(act_inputs)
-        pinned.update(o.name for o in outs if o.name in x_names)
+        pinned.update(x_names.intersection(op_outputs[name]))
     # Whole ops: tf.gradients stops at ops, so a kept output's recomputed
     # sibling would lose its gradient.
     pinned = {o for n in pinned for o in op_outputs[tensors[n].op]}
     loop_facts = {op.name: loop_memory.loop_facts(op, op in rerunnable) for op in units
                   if op.type in loops.LOOP_OP_TYPES and op.name in op_outputs}
+    graph = nx.DiGraph()
+    graph.add_nodes_from(tensors)  # in order, then the edges in order: as added op by op
+    graph.add_edges_from(edges)
     model = GraphModel(
         graph=graph, tensors=tensors, pinned=frozenset(pinned),
-        order=tuple(n for op in units for n in op_outputs.get(op.name, ())),
+        order=tuple(tensors),
         ys=tuple(y.name for y in ys if y.name in activations),
         op_outputs=op_outputs, other_bytes=other_bytes, num_region_ops=len(ops),
         loops=loop_facts, **backprop)
-    return Reading(model=model, region=region,
-                   op_inputs={op.name: tuple(i.name for i in inputs[op]) for op in units})
+    return Reading(model=model, region=region, op_inputs=op_inputs)
 
 
 def _record_backprop(op, op_inputs, activations, regions, backprop):
     """What `op`'s gradient reads, allocates besides its results, sends to weights.
 
-    `regions`: (names of the region's tensors, those and the xs: what backprop
-    takes gradients of; other inputs' gradient branches are pruned).
+    `regions`: (names of the region's tensors that are not activations, whose
+    gradients are weight gradients; names of the region's tensors and the xs,
+    what backprop takes gradients of: other inputs' gradient branches are pruned).
     """
-    region, differentiated = regions
+    weights, differentiated = regions
+    name = op.name
     inputs_differentiated = [t.name in differentiated for t in op.inputs]
     if op.type in ("Exit", "RefExit"):
         read = [t.name for t in op_inputs]  # a v1 loop: assume it reads all it took in
@@ -245,10 +250,10 @@ def _record_backprop(op, op_inputs, activations, regions, backprop):
         read = ([op.inputs[i].name for i in reads.inputs if i < len(op.inputs)]
                 + [op.outputs[i].name for i in reads.outputs if i < len(op.outputs)])
         scratch = reads.scratch_bytes
-    backprop["grad_reads"][op.name] = tuple(n for n in read if n in activations)
+    backprop["grad_reads"][name] = tuple(n for n in read if n in activations)
     measured = workspace.gradient_workspace_bytes(op)
     if conv_gradients.is_eligible(op):  # the rewrite differentiates it its own way
-        backprop["stock_workspace"][op.name] = scratch + measured
+        backprop["stock_workspace"][name] = scratch + measured
         measured = conv_gradients.workspace_bytes(op, inputs_differentiated[0])
         # Its filter gradient is a chain of per-tap products that the executor
         # runs on beside the gradients below where leaf_order does not order
@@ -257,13 +262,12 @@ def _record_backprop(op, op_inputs, activations, regions, backprop):
         # gradient, with one inter-op thread as with several).
         filter_chain = conv_gradients.workspace_bytes(op, input_gradient=False)
         if filter_chain and inputs_differentiated[1]:
-            backprop["trailing_workspace"][op.name] = filter_chain
+            backprop["trailing_workspace"][name] = filter_chain
     xla_dense = grouped_conv_calls.stock_workspace_bytes(op)
     if xla_dense and grouped_conv_calls.is_eligible(op):  # the rewrite takes native kernels
-        backprop["stock_workspace"][op.name] = scratch + measured + xla_dense
+        backprop["stock_workspace"][name] = scratch + measured + xla_dense
     elif xla_dense:
         measured += xla_dense
-    backprop["workspace"][op.name] = scratch + measured
-    backprop["weight_grad_bytes"][op.name] = sum(
-        op_kinds.tensor_bytes(t) for t in op_inputs
-        if t.name in region and t.name not in activations and t.dtype.is_floating)
+    backprop["workspace"][name] = scratch + measured
+    backprop["weight_grad_bytes"][name] = sum(
+        op_kinds.tensor_bytes(t) for t in op_inputs if t.name in weights and t.dtype.is_floating)

@@ -32,10 +32,12 @@ def recomputes_scratch_free(op: tf.Operation) -> bool:
     kernel's measured scratch exceeds our form's. With an unknown batch size
     neither is measured: then where taps do not overlap (one `MatMul`: the
     stock FLOPs, an output-sized product as scratch)."""
+    if op.type != "Conv2DBackpropInput":
+        return False  # reading asks every op: no NodeDef parsed for the others
     override = op.node_def.attr.get("_gradient_op_type")
-    if not (op.type == "Conv2DBackpropInput" and (conv_gradients.is_eligible(op) or (
+    if not (conv_gradients.is_eligible(op) or (
             override is not None
-            and override.s.decode() == conv_gradients.SCRATCH_FREE_GRADIENT))):
+            and override.s.decode() == conv_gradients.SCRATCH_FREE_GRADIENT)):
         return False
     if not _shapes_known(op):
         return conv_gradients.taps_apart(op)
