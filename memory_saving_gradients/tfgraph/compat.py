@@ -77,6 +77,11 @@ def add_control_input(op: tf.Operation, control: tf.Operation) -> None:
     op._add_control_input(control)  # pylint: disable=protected-access
 
 
+def replace_input(op: tf.Operation, index: int, tensor: tf.Tensor) -> None:
+    """Makes `op` (one the caller created) read `tensor` as its input `index`."""
+    op._update_input(index, tensor)  # pylint: disable=protected-access
+
+
 def set_device(op: tf.Operation, device: str) -> None:
     """Places an op created with compute_device=False."""
     op._set_device(device)  # pylint: disable=protected-access
