@@ -189,9 +189,8 @@ class _Replay(LoopEvents):
         if where != ("fwd",):  # a copy may run another way (a scratch-free transposed conv)
             scratch = self.model.recompute_workspace.get(op, scratch)
         self._scratch(scratch)
-        aliased = (source(row.inputs[0])
-                   if row.inputs and row.op_type in ALIASING_OP_TYPES else None)
         for o in row.outputs:
+            aliased = self._shared_input(row, o, source)
             self._alloc(where + (o,), 0 if aliased else self.tensors[o].bytes)
             if aliased:
                 self.alias[where + (o,)] = aliased
@@ -200,6 +199,13 @@ class _Replay(LoopEvents):
                 self.last_use[where + (o,)] = _END  # returned or differentiated last
         if op in self.model.loops and where != ("fwd",):  # originals: `_forward_pass`
             self._loop_forward(op, self.model.loops[op], where)
+
+    def _shared_input(self, row, output, source):
+        """Key of the input buffer `output` is (None: a buffer of its own)."""
+        shared = self.model.shared_buffers.get(output)
+        if shared is not None:
+            return source(shared)
+        return source(row.inputs[0]) if row.inputs and row.op_type in ALIASING_OP_TYPES else None
 
     def _level(self, number, level, kept_roots):
         """One level: its copies that are needed, then the gradients of its ops."""
