@@ -115,6 +115,10 @@ class GraphModel:
       ungraded: op name -> its activation inputs its gradient makes no
         gradient for (a tf.custom_gradient's IdentityN: the results it
         passes through).
+      early_workspace: op name -> bytes of the parts of its gradient that
+        read only forward tensors: TensorFlow runs them when the op runs and
+        holds them until backprop (where the rewrite differentiates the op
+        in a level, they wait for the gradient instead).
       shared_buffers: activation -> the activation input whose buffer it
         is, for ops that pass inputs through by index (IdentityN); ops of
         `timeline.ALIASING_OP_TYPES` share their first input's.
@@ -137,6 +141,7 @@ class GraphModel:
     trailing_workspace: Mapping[str, int] = dataclasses.field(default_factory=dict)
     ungraded: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     shared_buffers: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    early_workspace: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
     def op_of(self, name: str) -> str:
         """The op producing activation `name`."""

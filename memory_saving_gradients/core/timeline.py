@@ -241,6 +241,8 @@ class _Replay(LoopEvents):
             row = self.rows[op]
             source = sources.get(op, _original)
             read = [key for o in row.outputs for key in self.pending.pop(o, ())]
+            if not read and self.ys.isdisjoint(row.outputs):
+                continue  # no gradient reaches it: tf.gradients builds none
             read += [source(t) for t in row.reads]
             if self.planned and not leaves_ordered and op in model.trailing_workspace:
                 trailing = (read, model.trailing_workspace[op])
@@ -249,6 +251,8 @@ class _Replay(LoopEvents):
                 self._scratch(trailing[1])
             for key in read:
                 self._use(key)
+            if op not in sources:  # an original: its forward-only parts ran with it
+                self._held_since_forward(op, row)
             self._scratch(self.workspace.get(op, 0))
             if op in model.loops:
                 self._loop_backward(op, model.loops[op], source(row.outputs[0])[:-1])
@@ -261,6 +265,15 @@ class _Replay(LoopEvents):
                 key = ("weights", op)
                 self._alloc(key, weights)
                 self.last_use[key] = _END
+
+    def _held_since_forward(self, op, row):
+        """The op's early gradient parts (`model.early_workspace`): alive from its
+        forward step until the step before its gradient (then in its scratch)."""
+        size = self.model.early_workspace.get(op, 0)
+        if size:
+            key = ("early", op)
+            self.born[key] = (self.born[("fwd", row.outputs[0])][0], size)
+            self.last_use[key] = self.step - 1
 
     def _scratch(self, size):
         """A buffer of `size` bytes alive during this step only."""

@@ -22,6 +22,7 @@ import tensorflow as tf
 
 from memory_saving_gradients.core import timeline
 from memory_saving_gradients.tfgraph import compat
+from memory_saving_gradients.tfgraph import early_gradients
 from memory_saving_gradients.tfgraph import gradient_waits
 from memory_saving_gradients.tfgraph import op_kinds
 
@@ -38,12 +39,14 @@ class Reads:
     and the peak bytes of its intermediate tensors (not its results);
     `captured`: names of other forward tensors it reads (a tf.custom_gradient
     closing over the tensors of its call); `ungraded`: indices of the inputs
-    it makes no gradient for (None)."""
+    it makes no gradient for (None); `early_bytes`: bytes of its parts that
+    read only forward tensors, which run in the forward pass (early_gradients)."""
     inputs: tuple
     outputs: tuple
     scratch_bytes: int = 0
     captured: tuple = ()
     ungraded: tuple = ()
+    early_bytes: int = 0
 
 
 def gradient_reads(op: tf.Operation, wanted: tuple = None) -> Reads:
@@ -146,7 +149,7 @@ def _probe(op, grad_fn, wanted):
                  _intermediate_peak(new_ops, {id(r) for r in results if r is not None}),
                  tuple(c.name for c in captured
                        if not any(c is t for t in list(op.inputs) + list(op.outputs))),
-                 ungraded)
+                 ungraded, early_gradients.early_bytes(new_ops, seeds))
 
 
 def _leading_to(ops, results):

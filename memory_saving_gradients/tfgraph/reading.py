@@ -181,7 +181,8 @@ def build_model(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor]) -> Reading:
     differentiated = region | x_names
     backprop = {"grad_reads": {}, "workspace": {}, "weight_grad_bytes": {},
                 "stock_workspace": {}, "run_workspace": {}, "recompute_workspace": {},
-                "trailing_workspace": {}, "ungraded": {}, "shared_buffers": {}}
+                "trailing_workspace": {}, "ungraded": {}, "shared_buffers": {},
+                "early_workspace": {}}
     for op in units:
         outs = [o for o in op.outputs if o.name in activations]
         if not outs:
@@ -255,6 +256,8 @@ def _record_backprop(op, op_inputs, activations, regions, backprop):
                 + [op.outputs[i].name for i in reads.outputs if i < len(op.outputs)]
                 + list(reads.captured))
         scratch = reads.scratch_bytes
+        if reads.early_bytes:
+            backprop["early_workspace"][op.name] = reads.early_bytes
         backprop["ungraded"][op.name] = tuple(
             op.inputs[i].name for i in reads.ungraded if i < len(op.inputs))
     backprop["grad_reads"][op.name] = tuple(n for n in read if n in activations)
