@@ -240,3 +240,20 @@ def test_a_trailing_chain_directly_above_another_runs_beside_its_gradient():
     model = dataclasses.replace(model, tensors=tensors, grad_reads=grad_reads)
     tail_only = planning.make_plan(model, set(), "list")
     assert timeline.predict(model, tail_only).peak_bytes >= 1500 * B
+
+
+def test_custom_gradient_facts():
+    # An IdentityN-like op passes its input's buffer through (shared_buffers).
+    model, names = chain(10, reads="output")
+    shared, _ = chain(10, reads="output", shared_buffers={names[3]: names[2]})
+    assert timeline.predict(shared).baseline_bytes == timeline.predict(model).baseline_bytes - B
+    # A gradient that gives t04 no gradient (ungraded): no gradient reaches
+    # t00-t04, so tf.gradients builds none of theirs and keeps none of their outputs.
+    cut, _ = chain(10, reads="output", ungraded={names[5]: (names[4],)})
+    assert timeline.predict(cut).baseline_bytes == 7 * B
+    # A gradient part that reads only forward tensors runs with the op and is
+    # held to backprop under tf.gradients; in a level it waits for the gradient.
+    early, _ = chain(8, reads="nothing", early_workspace={names[1]: 10 * B})
+    plan = planning.make_plan(early, {names[4]}, "list")
+    assert timeline.predict(early).baseline_bytes >= 10 * B
+    assert timeline.predict(early, plan).peak_bytes < 10 * B

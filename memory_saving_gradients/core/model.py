@@ -112,6 +112,16 @@ class GraphModel:
         gradient of the op that runs on beside the gradients below it (a
         chain of per-tap filter-gradient products): it and what the op's
         gradient reads stay alive up to and with the next such op's gradient.
+      ungraded: op name -> its activation inputs its gradient makes no
+        gradient for (a tf.custom_gradient's IdentityN: the results it
+        passes through).
+      early_workspace: op name -> bytes of the parts of its gradient that
+        read only forward tensors: TensorFlow runs them when the op runs and
+        holds them until backprop (where the rewrite differentiates the op
+        in a level, they wait for the gradient instead).
+      shared_buffers: activation -> the activation input whose buffer it
+        is, for ops that pass inputs through by index (IdentityN); ops of
+        `timeline.ALIASING_OP_TYPES` share their first input's.
     """
     graph: nx.DiGraph
     tensors: Mapping[str, Activation]
@@ -129,6 +139,9 @@ class GraphModel:
     run_workspace: Mapping[str, int] = dataclasses.field(default_factory=dict)
     recompute_workspace: Mapping[str, int] = dataclasses.field(default_factory=dict)
     trailing_workspace: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    ungraded: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    shared_buffers: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    early_workspace: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
     def op_of(self, name: str) -> str:
         """The op producing activation `name`."""

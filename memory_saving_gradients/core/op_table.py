@@ -71,8 +71,10 @@ def _build_rows(model):
         inputs = tuple(dict.fromkeys(p for o in outputs for p in graph.predecessors(o)))
         reads = model.grad_reads[op] if op in model.grad_reads else inputs + tuple(outputs)
         first = tensors[outputs[0]]
+        ungraded = model.ungraded.get(op, ())
         table[op] = OpRow(
             inputs=inputs, outputs=tuple(outputs), reads=tuple(reads),
-            grads=tuple((t, tensors[t].bytes) for t in inputs if tensors[t].is_float),
+            grads=tuple((t, tensors[t].bytes) for t in inputs
+                        if tensors[t].is_float and t not in ungraded),
             op_type=first.op_type, cost=first.cost)
     return table

@@ -190,9 +190,8 @@ class _Replay(LoopEvents):
         if where != ("fwd",):  # a copy may run another way (a scratch-free transposed conv)
             scratch = self.model.recompute_workspace.get(op, scratch)
         self._scratch(scratch)
-        aliased = (source(row.inputs[0])
-                   if row.inputs and row.op_type in ALIASING_OP_TYPES else None)
         for o in row.outputs:
+            aliased = self._shared_input(row, o, source)
             self._alloc(where + (o,), 0 if aliased else self.tensors[o].bytes)
             if aliased:
                 self.alias[where + (o,)] = aliased
@@ -201,6 +200,13 @@ class _Replay(LoopEvents):
                 self.last_use[where + (o,)] = _END  # returned or differentiated last
         if op in self.model.loops and where != ("fwd",):  # originals: `_forward_pass`
             self._loop_forward(op, self.model.loops[op], where)
+
+    def _shared_input(self, row, output, source):
+        """Key of the input buffer `output` is (None: a buffer of its own)."""
+        shared = self.model.shared_buffers.get(output)
+        if shared is not None:
+            return source(shared)
+        return source(row.inputs[0]) if row.inputs and row.op_type in ALIASING_OP_TYPES else None
 
     def _level(self, number, level, kept_roots):
         """One level: its copies that are needed, then the gradients of its ops."""
@@ -236,6 +242,8 @@ class _Replay(LoopEvents):
             row = self.rows[op]
             source = sources.get(op, _original)
             read = [key for o in row.outputs for key in self.pending.pop(o, ())]
+            if not read and self.ys.isdisjoint(row.outputs):
+                continue  # no gradient reaches it: tf.gradients builds none
             read += [source(t) for t in row.reads]
             # A chain still running meets this gradient, the next chain's too.
             for key in read + list(trailing[0]):
@@ -243,6 +251,8 @@ class _Replay(LoopEvents):
             self._scratch(trailing[1])
             if self.planned and not leaves_ordered and op in model.trailing_workspace:
                 trailing = (read, model.trailing_workspace[op])
+            if op not in sources:  # an original: its forward-only parts ran with it
+                self._held_since_forward(op, row)
             self._scratch(self.workspace.get(op, 0))
             if op in model.loops:
                 self._loop_backward(op, model.loops[op], source(row.outputs[0])[:-1])
@@ -255,6 +265,15 @@ class _Replay(LoopEvents):
                 key = ("weights", op)
                 self._alloc(key, weights)
                 self.last_use[key] = _END
+
+    def _held_since_forward(self, op, row):
+        """The op's early gradient parts (`model.early_workspace`): alive from its
+        forward step until the step before its gradient (then in its scratch)."""
+        size = self.model.early_workspace.get(op, 0)
+        if size:
+            key = ("early", op)
+            self.born[key] = (self.born[("fwd", row.outputs[0])][0], size)
+            self.last_use[key] = self.step - 1
 
     def _scratch(self, size):
         """A buffer of `size` bytes alive during this step only."""

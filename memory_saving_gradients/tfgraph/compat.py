@@ -94,6 +94,25 @@ def add_control_input(op: tf.Operation, control: tf.Operation) -> None:
     op._add_control_input(control)  # pylint: disable=protected-access
 
 
+def capturing_graph(outer: tf.Graph, name: str):
+    """An empty graph whose ops may read `outer`'s tensors: each one read is
+    captured (a placeholder inside; `captured_pairs` lists them), and nothing
+    is added to `outer`."""
+    from tensorflow.python.framework import func_graph  # pylint: disable=import-outside-toplevel
+    with outer.as_default():
+        return func_graph.FuncGraph(name)
+
+
+def captured_pairs(graph) -> list:
+    """(outer tensor, placeholder standing for it) of a `capturing_graph`."""
+    return list(graph.captures)
+
+
+def replace_input(op: tf.Operation, index: int, tensor: tf.Tensor) -> None:
+    """Makes `op` (one the caller created) read `tensor` as its input `index`."""
+    op._update_input(index, tensor)  # pylint: disable=protected-access
+
+
 def set_device(op: tf.Operation, device: str) -> None:
     """Places an op created with compute_device=False."""
     op._set_device(device)  # pylint: disable=protected-access

@@ -21,6 +21,7 @@ import tensorflow as tf
 
 from memory_saving_gradients.core import timeline
 from memory_saving_gradients.tfgraph import compat
+from memory_saving_gradients.tfgraph import early_gradients
 from memory_saving_gradients.tfgraph import gradient_waits
 from memory_saving_gradients.tfgraph import op_kinds
 
@@ -37,10 +38,17 @@ _SHAPE_ONLY_OP_TYPES = frozenset({"Shape", "ShapeN", "Size", "Rank"})
 @dataclasses.dataclass(frozen=True)
 class Reads:
     """What the op's gradient reads, by index of the op's inputs and outputs,
-    and the peak bytes of its intermediate tensors (not its results)."""
+    and the peak bytes of its intermediate tensors (not its results);
+    `captured`: names of other forward tensors it reads (a tf.custom_gradient
+    closing over the tensors of its call); `ungraded`: indices of the inputs
+    it makes no gradient for (None); `early_bytes`: bytes of its parts that
+    read only forward tensors, which run in the forward pass (early_gradients)."""
     inputs: tuple
     outputs: tuple
     scratch_bytes: int = 0
+    captured: tuple = ()
+    ungraded: tuple = ()
+    early_bytes: int = 0
 
 
 def gradient_reads(op: tf.Operation, wanted: tuple = None) -> Reads:
@@ -104,7 +112,10 @@ def _reads(op, wanted):
 def _probe(op, grad_fn, wanted):
     """Builds `grad_fn` for a copy of `op` on a scratch graph; returns the Reads of
     the gradient ops that lead to the `wanted` inputs' gradients."""
-    scratch = tf.Graph()
+    # A tf.custom_gradient's gradient ignores the op and reads the forward
+    # tensors its closure holds: built where it may capture them, it shows them.
+    custom = "_gradient_op_type" in op.node_def.attr
+    scratch = compat.capturing_graph(op.graph, "gradient_probe") if custom else tf.Graph()
     with scratch.as_default():
         inputs = [_stand_in(t, f"input{i}") for i, t in enumerate(op.inputs)]
         copy = compat.create_op_copy(scratch, op, inputs)
@@ -116,13 +127,21 @@ def _probe(op, grad_fn, wanted):
         first_new = len(scratch.get_operations())
         results = grad_fn(copy, *seeds)
         results = results if isinstance(results, (list, tuple)) else [results]
+        ungraded = tuple(i for i, r in enumerate(results) if r is None)
         results = [r for r, keep in zip(results, wanted) if keep]
         new_ops = _leading_to(scratch.get_operations()[first_new:], results)
         read = {id(t) for new_op in new_ops
                 if new_op.type not in _SHAPE_ONLY_OP_TYPES for t in new_op.inputs}
-    return Reads(tuple(i for i, t in enumerate(inputs) if id(t) in read),
-                 tuple(i for i, t in enumerate(copy.outputs) if id(t) in read),
-                 _intermediate_peak(new_ops, {id(r) for r in results if r is not None}))
+    captured = [outer for outer, inner in (compat.captured_pairs(scratch) if custom else ())
+                if id(inner) in read]
+    return Reads(tuple(i for i, t in enumerate(inputs) if id(t) in read
+                       or any(c is op.inputs[i] for c in captured)),
+                 tuple(i for i, t in enumerate(copy.outputs) if id(t) in read
+                       or any(c is op.outputs[i] for c in captured)),
+                 _intermediate_peak(new_ops, {id(r) for r in results if r is not None}),
+                 tuple(c.name for c in captured
+                       if not any(c is t for t in list(op.inputs) + list(op.outputs))),
+                 ungraded, early_gradients.early_bytes(new_ops, seeds))
 
 
 def _leading_to(ops, results):

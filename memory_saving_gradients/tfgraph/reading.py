@@ -182,7 +182,8 @@ def build_model(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor]) -> Reading:
     regions = (region - activations, region | x_names)
     backprop = {"grad_reads": {}, "workspace": {}, "weight_grad_bytes": {},
                 "stock_workspace": {}, "run_workspace": {}, "recompute_workspace": {},
-                "trailing_workspace": {}}
+                "trailing_workspace": {}, "ungraded": {}, "shared_buffers": {},
+                "early_workspace": {}}
     for op in units:
         name = op.name
         op_inputs[name] = tuple(i.name for i in inputs[op])
@@ -201,6 +202,7 @@ def build_model(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor]) -> Reading:
         cost = (loop_memory.loop_cost(op) if op.type in loops.LOOP_OP_TYPES
                 else op_kinds.op_cost(op))
         op_outputs[name] = tuple(n for n in outs if n in activations)
+        backprop["shared_buffers"].update(_passed_through(op, activations))
         act_inputs = [n for n in op_inputs[name] if n in activations]
         for n in op_outputs[name]:
             o = outs[n]
@@ -230,6 +232,15 @@ def build_model(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor]) -> Reading:
     return Reading(model=model, region=region, op_inputs=op_inputs)
 
 
+def _passed_through(op, activations) -> dict:
+    """Output -> the input whose buffer it is, of an op that passes each input
+    through as the output of the same index (a tf.custom_gradient's IdentityN)."""
+    if op.type != "IdentityN":
+        return {}
+    return {o.name: i.name for i, o in zip(op.inputs, op.outputs)
+            if o.name in activations and i.name in activations}
+
+
 def _record_backprop(op, op_inputs, activations, regions, backprop):
     """What `op`'s gradient reads, allocates besides its results, sends to weights.
 
@@ -248,8 +259,13 @@ def _record_backprop(op, op_inputs, activations, regions, backprop):
         # Differentiating a function call or cond may give its op (or the
         # probe's stand-in) outputs of its intermediates: index what exists.
         read = ([op.inputs[i].name for i in reads.inputs if i < len(op.inputs)]
-                + [op.outputs[i].name for i in reads.outputs if i < len(op.outputs)])
+                + [op.outputs[i].name for i in reads.outputs if i < len(op.outputs)]
+                + list(reads.captured))
         scratch = reads.scratch_bytes
+        if reads.early_bytes:
+            backprop["early_workspace"][name] = reads.early_bytes
+        backprop["ungraded"][name] = tuple(
+            op.inputs[i].name for i in reads.ungraded if i < len(op.inputs))
     backprop["grad_reads"][name] = tuple(n for n in read if n in activations)
     measured = workspace.gradient_workspace_bytes(op)
     if conv_gradients.is_eligible(op):  # the rewrite differentiates it its own way
