@@ -28,12 +28,13 @@ METHODS = {"fit": None, "fit + Checkpointing(memory)": "memory",
            # The same step without the tape: gradients(memory) called directly, to show
            # what the integration costs (nothing, if it equals Checkpointing(memory)).
            "fit, train_step calling gradients(memory)": "direct"}
-MODELS = ("cnn", "bert")
+MODELS = ("cnn", "bert", "convnext")
 RESULTS = os.path.join(os.path.dirname(__file__), "results", "keras_fit.json")
 
 
 def build(name):
-    """The model and one batch: MobileNetV2 (batch norm) or a BERT-like encoder."""
+    """The model and one batch: MobileNetV2 (batch norm), a BERT-like encoder or
+    ConvNeXtTiny (grouped convolutions: XLA-compiled calls)."""
     import keras
     import numpy as np
     keras.utils.set_random_seed(0)
@@ -41,6 +42,10 @@ def build(name):
     if name == "cnn":
         model = keras_models.mobilenet(size=96)
         x = rng.rand(32, 96, 96, 3).astype("float32")
+    elif name == "convnext":
+        model = keras.applications.ConvNeXtTiny(weights=None, input_shape=(64, 64, 3),
+                                                classes=4, include_preprocessing=False)
+        x = rng.rand(8, 64, 64, 3).astype("float32")
     else:
         model = keras_models.bert_like(vocab=1000, width=128, layers=4)
         x = rng.randint(1, 1000, (16, 128))
