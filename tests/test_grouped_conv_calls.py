@@ -107,3 +107,18 @@ def test_a_variable_assigned_before_backprop_keeps_the_stock_gradient():
     for want, got in zip(expected, ours(images)):
         np.testing.assert_allclose(got, want, rtol=1e-5)
     assert "DepthwiseConv2dNativeBackpropFilter" not in _op_types(ours, images)
+
+
+def test_unequal_strides_keep_the_stock_gradient():
+    """The native depthwise kernels take only equal row and column strides
+    (InvalidArgumentError otherwise): such a call keeps XLA's gradient."""
+    model = keras.Sequential([
+        keras.Input((9, 9, 4)),
+        keras.layers.Conv2D(4, 3, strides=(1, 2), padding="same", groups=4, activation="tanh"),
+        keras.layers.Conv2D(8, (3, 2), strides=(2, 1), padding="valid", groups=4),
+    ])
+    images = tf.constant(np.random.default_rng(1).normal(size=(2, 9, 9, 4)), tf.float32)
+    stock, ours = _steps(model, _square_loss)
+    for expected, got in zip(stock(images), ours(images)):
+        np.testing.assert_allclose(got, expected, rtol=2e-5, atol=2e-5)
+    assert "DepthwiseConv2dNativeBackpropFilter" not in _op_types(ours, images)
