@@ -18,7 +18,7 @@ case), TensorFlow's native depthwise gradient kernels give the same
 gradients with per-pixel scratch only. `native_gradients(ops)` makes
 tf.gradients use them for such call ops among `ops` while it is open, on
 CPU-only hosts (the backend measured), when the call's body is a
-single NHWC, unit-dilation `Conv2D` reached from the call's inputs (the
+single NHWC, unit-dilation, equal-stride `Conv2D` reached from the call's inputs (the
 filter directly or through one variable read) and nothing may assign that
 variable between the forward pass and backprop (the filter is read again there).
 """
@@ -55,6 +55,9 @@ def is_eligible(op: tf.Operation) -> bool:
     (see the module docstring) whose gradient may be taken natively."""
     if (_depthwise_filter_shape(op) is None or "_gradient_op_type" in op.node_def.attr
             or tf.config.list_logical_devices("GPU") or "GPU" in op.device.upper()):
+        return False
+    strides = _convolution(op)["node"].attr["strides"].list.i
+    if strides[1] != strides[2]:  # the native depthwise kernels refuse unequal ones
         return False
     w = op.inputs[_convolution(op)["inputs"][1]]
     if w.dtype != tf.resource:
