@@ -135,6 +135,35 @@ def test_under_xla_convolutions_keep_the_stock_gradients():
         np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=2e-5, atol=2e-6)
 
 
+def test_under_xla_the_plan_counts_no_cpu_kernel_scratch():
+    """XLA compiles convolution gradients without the CPU kernels' scratch:
+    the stock baseline the planner predicts stays below the measured stock
+    peak (six 3x3 convolutions, 32 channels, 32x32, batch 8: 13.7-16.2 MiB
+    measured; it predicted 38.8 counting each kernel's 30 MiB)."""
+    msg.enable_cpu_allocator_stats()
+    ws = [tf.Variable(normal((3, 3, 16 if i == 0 else 32, 32), 0.1, seed=i)) for i in range(6)]
+    found = {}
+
+    def loss(x):
+        for w in ws:
+            x = tf.nn.relu(tf.nn.conv2d(x, w, 1, "SAME"))
+        return tf.reduce_sum(x ** 2)
+
+    @tf.function(jit_compile=True)
+    def stock(x):
+        return tf.gradients(loss(x), ws)
+
+    @tf.function(jit_compile=True)
+    def plan(x):
+        found["estimate"] = msg.checkpoint_plan(loss(x), ws, "memory").estimate
+        return loss(x)
+
+    images = tf.ones((8, 32, 32, 16))
+    stock(images)
+    plan.get_concrete_function(images)
+    assert found["estimate"].baseline_bytes < msg.function_peak_bytes(stock, images)[0]
+
+
 def test_originals_keep_the_stock_gradient_after_our_call():
     graph = tf.Graph()
     with graph.as_default():
