@@ -12,7 +12,8 @@ the peak of the run's allocation records above the op's output is its
 workspace. Nothing of the user's is touched (no allocator statistics are
 read or reset, no random numbers drawn), so it works in tf.compat.v1 graphs
 and tf.functions alike, with or without allocator statistics. A gradient op
-that fails to build or run counts zero (logged at debug level).
+that fails to build or run counts zero (logged at debug level), and so
+does every op under XLA (jit_compile), which runs none of these kernels.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import numpy as np
 import tensorflow as tf
 
 from memory_saving_gradients.tfgraph import allocations
+from memory_saving_gradients.tfgraph import compat
 from memory_saving_gradients.tfgraph import conv_gradients
 
 logger = logging.getLogger(__name__)
@@ -77,7 +79,10 @@ def run_workspace_bytes(op: tf.Operation) -> int:
 
 
 def _workspace(op, table):
-    if op.type not in table or not all(
+    # Under XLA (jit_compile) none of these kernels runs: XLA compiles the op
+    # itself, without their scratch (a CNN's stock step: 13.7-16.2 MiB
+    # measured against 38.8 predicted with the kernels' 30 MiB).
+    if op.type not in table or compat.in_xla_context(op.graph) or not all(
             t.shape.is_fully_defined() for t in list(op.inputs) + list(op.outputs)):
         return 0
     attrs = tuple(sorted((name, op.get_attr(name)) for name in op.node_def.attr
