@@ -68,7 +68,9 @@ def test_unet_gradients_with_recomputed_transposed_convolutions_match_stock(
     build = functools.partial(_unet, dtype=dtype)
     outcome = gradients_vs_stock(runtime, build, {"images": normal((2, 9, 11, 3), dtype=dtype)})
     assert_matches_stock(outcome, rtol=rtol, atol=atol)
-    assert not any(op.type == "Conv2DBackpropInput" for op in _recomputed(outcome.graph))
+    # Under XLA convolutions keep the stock form (conv_gradients.is_eligible).
+    stock_copies = any(op.type == "Conv2DBackpropInput" for op in _recomputed(outcome.graph))
+    assert stock_copies == (runtime == "xla")
 
 
 def _recomputed(graph):
@@ -169,7 +171,9 @@ def test_keras_conv2d_transpose_with_output_padding_matches_stock(jit):
         loss = tf.reduce_mean(tf.square(h - images))
         weights = [w.value for layer in down + up for w in layer.weights]
         ours = msg.gradients(loss, weights, checkpoints=[h])
-        assert not any(op.type == "Conv2DBackpropInput" for op in _recomputed(loss.graph))
+        # Under XLA convolutions keep the stock form (conv_gradients.is_eligible).
+        stock_copies = any(op.type == "Conv2DBackpropInput" for op in _recomputed(loss.graph))
+        assert stock_copies == jit
         return tf.gradients(loss, weights), ours
 
     stock, ours = step(images)
