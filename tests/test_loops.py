@@ -143,6 +143,24 @@ def test_keras_recurrent_layers(dropout):
     assert len(_copied_loops(outcome)) == len(layers)
 
 
+@tf.custom_gradient
+def _sine(h):
+    """A user's tf.custom_gradient: its gradient closes over `h`."""
+    return tf.sin(h), lambda dy: dy * tf.cos(h)
+
+
+@pytest.mark.parametrize("activation", [tf.nn.silu, _sine], ids=["silu", "user"])
+def test_loops_with_custom_gradients_are_kept(runtime, activation):
+    """A tf.custom_gradient's gradient is a closure over the tensors of the
+    trace that made it: differentiating the rerun's rebuilt body ran it on
+    tensors of another graph, and tf.gradients raised (tf.nn.silu: "beta
+    must be from the same graph")."""
+    outcome = gradients_vs_stock(runtime, lambda ctx, x: rnn_stack(ctx, x, in_body=activation),
+                                 {"x": normal((2, 5, 3))})
+    assert_matches_stock(outcome)
+    assert not _copied_loops(outcome)
+
+
 def _loop_with_nested(ctx, x, nested):
     """A tanh RNN whose body runs `nested` control flow that reads a variable."""
     w = ctx.variable("w", normal((3, 3), 0.5, seed=1))
