@@ -10,6 +10,9 @@ of a recurrent network's memory. A rerun must see what the forward pass saw:
   and those lose what nested control flow needs (resource handle data, the
   gradient functions of inner loops); tf.gradients then raises or silently
   gives wrong gradients;
+* its body holds no `tf.custom_gradient` (`tf.nn.silu`, Keras' swish): the
+  gradient is a Python closure over the tensors of the trace that made it,
+  which the rebuilt body cannot reach (tf.gradients raises);
 * no variable it reads may be assigned between the forward pass and the
   rerun, through any handle that may point to it (writers.py), including by
   the body of another loop;
@@ -32,6 +35,8 @@ from memory_saving_gradients.tfgraph import purity
 from memory_saving_gradients.tfgraph import writers
 
 LOOP_OP_TYPES = frozenset({"While", "StatelessWhile"})
+# The attribute tf.custom_gradient sets on its IdentityN: which Python closure is its gradient.
+CUSTOM_GRADIENT_ATTR = "_gradient_op_type"
 
 
 def rerunnable_loops(ops) -> set:
@@ -52,7 +57,7 @@ def body_is_plain(graph: tf.Graph, loop: tf.Operation) -> bool:
         if nodes is None:
             return False
         if any(purity.called_functions(n) or not purity.stateless_or_read(n.op)
-               for n in nodes):
+               or CUSTOM_GRADIENT_ATTR in n.attr for n in nodes):
             return False
     return True
 
