@@ -142,3 +142,23 @@ def test_under_an_outer_jit_compile_the_dense_temporary_is_planned():
     types = {op.type for op in step.get_concrete_function(images).graph.get_operations()}
     assert "DepthwiseConv2dNativeBackpropFilter" not in types
     assert found["estimate"].peak_bytes > 2 * 7 * 7 * 256 * 256 * 4, found["estimate"]
+
+
+def test_a_plain_nested_call_keeps_its_function_definition():
+    # Asking a call's cached FunctionDef for a missing attr by [] inserted an
+    # empty one: the call then failed at run time ("Failed to bind all placeholders").
+    w = tf.Variable(tf.ones([4, 4]) * 0.1)
+
+    @tf.function(autograph=False)
+    def inner(x):
+        return tf.tanh(x @ w)
+
+    @tf.function(autograph=False)
+    def step(x):
+        y = tf.reduce_sum(tf.tanh(inner(tf.tanh(x))))
+        return msg.gradients(y, [w], checkpoints="memory"), tf.gradients(y, [w])
+
+    ours, stock = step(tf.ones([2, 4]))
+    np.testing.assert_allclose(ours[0].numpy(), stock[0].numpy(), rtol=1e-6)
+    definition = inner.get_concrete_function(tf.TensorSpec([2, 4])).function_def
+    assert "_XlaMustCompile" not in definition.attr

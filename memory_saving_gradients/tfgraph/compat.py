@@ -244,6 +244,10 @@ def gradients_overridden(ops: list, gradient_name: str):
             op._gradient_function = own[op]  # pylint: disable=protected-access
 
 
+def empty_attr_value() -> attr_value_pb2.AttrValue:
+    return attr_value_pb2.AttrValue()
+
+
 def copy_handle_data(source: tf.Tensor, target: tf.Tensor) -> None:
     """Gives `target` the resource/TensorList handle data (dtype, shape) of `source`."""
     handle_data_util.copy_handle_data(source, target)

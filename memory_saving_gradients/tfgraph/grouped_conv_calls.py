@@ -60,7 +60,7 @@ def is_eligible(op: tf.Operation) -> bool:
             or tf.config.list_logical_devices("GPU") or "GPU" in op.device.upper()
             or compat.in_xla_context(op.graph)):  # XLA compiles the native kernels densely too
         return False
-    strides = _convolution(op)["node"].attr["strides"].list.i
+    strides = _attr(_convolution(op)["node"], "strides").list.i
     if strides[1] != strides[2]:  # the native depthwise kernels refuse unequal ones
         return False
     w = op.inputs[_convolution(op)["inputs"][1]]
@@ -109,14 +109,15 @@ def _convolution(op: tf.Operation):
     convolution (NHWC, unit dilations) of two of its arguments; else None."""
     function = purity.find_function(op.graph, op.get_attr("f").name)
     definition = None if function is None else function.cached_definition
-    if definition is None or not definition.attr["_XlaMustCompile"].b:
+    if definition is None or not _attr(definition, "_XlaMustCompile").b:
         return None
     nodes = {n.name: n for n in definition.node_def}
     convs = [n for n in nodes.values() if n.op == "Conv2D"]
     if len(convs) != 1 or any(n.op not in _BODY_TYPES for n in nodes.values()):
         return None
     conv = convs[0]
-    if (conv.attr["data_format"].s != b"NHWC" or list(conv.attr["dilations"].list.i) != [1] * 4
+    if (_attr(conv, "data_format").s not in (b"", b"NHWC")  # b"": the default, NHWC
+            or list(_attr(conv, "dilations").list.i) not in ([], [1] * 4)
             or _source(nodes, next(iter(definition.ret.values()))) is not conv):
         return None
     args = [a.name for a in definition.signature.input_arg]
@@ -126,6 +127,17 @@ def _convolution(op: tf.Operation):
     if image not in args or w not in args:
         return None
     return {"node": conv, "inputs": (args.index(image), args.index(w))}
+
+
+def _attr(message, name: str):
+    """`message.attr[name]` (a FunctionDef's or NodeDef's), or an empty AttrValue.
+
+    Never `message.attr[name]` for a missing name: a protobuf map inserts it,
+    and these messages are TensorFlow's own cached function definitions: an
+    empty attr there fails the call at run time ("Failed to bind all
+    placeholders in <Unknown AttrValue type>").
+    """
+    return message.attr[name] if name in message.attr else compat.empty_attr_value()
 
 
 def _filter_shape(w: tf.Tensor):
@@ -153,9 +165,9 @@ def _native_depthwise_gradient(op, grad):
             w = tf.raw_ops.ReadVariableOp(resource=w, dtype=grad.dtype)
         channels = image.shape[-1]
         depthwise = [kh, kw, channels, outputs // channels]  # output c*m+j: input c, column j
-        attrs = {"strides": list(node.attr["strides"].list.i),
-                 "padding": node.attr["padding"].s.decode(),
-                 "explicit_paddings": list(node.attr["explicit_paddings"].list.i)}
+        attrs = {"strides": list(_attr(node, "strides").list.i),
+                 "padding": _attr(node, "padding").s.decode(),
+                 "explicit_paddings": list(_attr(node, "explicit_paddings").list.i)}
         d_image = tf.raw_ops.DepthwiseConv2dNativeBackpropInput(
             input_sizes=tf.shape(image), filter=tf.reshape(w, depthwise),
             out_backprop=grad, **attrs)
