@@ -15,9 +15,9 @@ copied), so such a read is pointed at the copy: the same gradient, and the
 original is freed after the forward pass as the plan expects. A kept tensor
 the level reads is pointed at the level's stub of it.
 
-A gradient op that reads only forward tensors (no gradient, nothing else
-the call made) runs as soon as they exist and holds its result until
-backprop reaches it: `tf.nn.silu`'s gradient computes `beta * features`
+A gradient op that depends on no output gradient (it reads forward tensors,
+or constants the call made; early_gradients.py) runs as soon as they exist
+and holds its result until backprop reaches it: `tf.nn.silu`'s gradient computes `beta * features`
 outside its control dependency on `dy`, which ran in the forward pass and
 held one tensor per kept swish input (measured on a chain of `tf.nn.silu`:
 18 MB for 14 predicted). `wait_for_seeds` makes such ops wait for the
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from memory_saving_gradients.tfgraph import compat
+from memory_saving_gradients.tfgraph import compat, early_gradients
 from memory_saving_gradients.tfgraph.gradient_waits import gradient_tensors
 
 
@@ -48,19 +48,25 @@ def read_copies(new_ops: list, copies: dict) -> int:
 
 
 def wait_for_seeds(new_ops: list, seeds: list) -> int:
-    """Makes each op of `new_ops` whose data inputs come from none of
-    `new_ops` nor `seeds` (it reads only forward tensors) wait for `seeds`.
-    Returns how many ops now wait."""
-    made = set(new_ops)
+    """Makes the ops of `new_ops` that would run before `seeds` exist and read
+    a forward tensor (besides, perhaps, constants the call made) wait for
+    `seeds`: the first such op on each path; the ops after it wait through it.
+    Ops of constants alone are left to constant folding. Returns how many ops
+    were given waits."""
     seed_ops = [t.op for g in seeds if g is not None for t in gradient_tensors(g)]
-    seed_refs = {t.ref() for op in seed_ops for t in op.outputs}
-    waiting = 0
+    free = early_gradients.seed_free(new_ops, seed_ops)
+    made, waiting, given = set(new_ops), set(), 0
     for op in new_ops:
-        if op.inputs and not any(t.op in made or t.ref() in seed_refs for t in op.inputs):
+        if op not in free:
+            continue
+        if any(t.op in waiting for t in op.inputs) or waiting.intersection(op.control_inputs):
+            waiting.add(op)
+        elif any(t.op not in made for t in op.inputs):
             for seed in seed_ops:
                 compat.add_control_input(op, seed)
-            waiting += 1
-    return waiting
+            waiting.add(op)
+            given += 1
+    return given
 
 
 def _same_kind(original: tf.Tensor, twin: tf.Tensor) -> bool:

@@ -20,18 +20,26 @@ from memory_saving_gradients.tfgraph import op_kinds
 _FREE_OP_TYPES = frozenset({"Const", "Shape", "ShapeN", "Size", "Rank", "Placeholder"})
 
 
+def seed_free(ops: list, seed_ops) -> set:
+    """The ops of `ops` (creation order) that depend on none of `seed_ops`,
+    directly or through other ops of `ops`, by data or control edges: they
+    run as soon as the forward tensors they read exist."""
+    waiting, free = set(seed_ops), set()
+    for op in ops:
+        if (op in waiting or any(t.op in waiting for t in op.inputs)
+                or any(c in waiting for c in op.control_inputs)):
+            waiting.add(op)
+        else:
+            free.add(op)
+    return free
+
+
 def early_bytes(ops: list, seeds: list) -> int:
     """Bytes of the outputs of `ops` (one gradient's ops, creation order) that
     depend on none of `seeds` and are read by an op that does: made in the
     forward pass, held until backprop."""
-    seed_ops = {t.op for t in seeds if t is not None}
-    waits = set()  # ops that depend on a seed
-    for op in ops:
-        if (op in seed_ops or any(t.op in waits or t.op in seed_ops for t in op.inputs)
-                or any(c in waits or c in seed_ops for c in op.control_inputs)):
-            waits.add(op)
-    among = set(ops)
-    held = {t.ref(): t for op in waits for t in op.inputs
-            if t.op in among and t.op not in waits and t.op.type not in _FREE_OP_TYPES}
+    free = seed_free(ops, {t.op for t in seeds if t is not None})
+    held = {t.ref(): t for op in ops if op not in free for t in op.inputs
+            if t.op in free and t.op.type not in _FREE_OP_TYPES}
     return sum(op_kinds.tensor_bytes(t) for t in held.values()
                if t.dtype.base_dtype not in op_kinds.OPAQUE_DTYPES)

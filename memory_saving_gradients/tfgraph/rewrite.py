@@ -154,8 +154,7 @@ class _Backprop:
         mapped = [copies.get(s.name, s) for s in self._stops]
         return copies, self._differentiate(
             list(stubs.values()), [copies[c] for c in roots],
-            [self._seeds[c] for c in roots], mapped, names=list(stubs), copies=copies,
-            stand_ins={**stubs, **copies})
+            [self._seeds[c] for c in roots], mapped, names=list(stubs), copies=copies)
 
     def to_xs(self) -> None:
         """Phase 3: the weights' partial gradients to the xs, in one pass."""
@@ -176,15 +175,14 @@ class _Backprop:
             results.append(grad)
         return results
 
-    def _differentiate(self, sources, targets, seeds, stops, names=None, copies=None,
-                       stand_ins=None) -> list:
+    def _differentiate(self, sources, targets, seeds, stops, names=None, copies=None) -> list:
         """Stock tf.gradients of `targets` to `sources`; records the parts.
 
-        `copies`: original name -> copy, of a level's copies differentiated:
-        their leaf gradient readers run before backprop passes them
-        (leaf_order.py). `stand_ins`: original name -> what the level reads
-        for it (its copy, or the stub of a tensor it reads from outside):
-        gradient ops read those, never the originals (captured_reads.py).
+        `copies`: original name -> copy, of a level's copies differentiated
+        (the sources then are the level's stubs of what it reads from outside,
+        `names` their originals). Gradient ops read the copies and stubs,
+        never the originals (captured_reads.py), and leaf gradient readers of
+        the copies run before backprop passes them (leaf_order.py).
         Returns the gradients it made (those that are not None)."""
         calls = {t.op for t in stops + self._stops if _is_function_call(t.op)}
         # A call at a stop is differentiated anyway, by SymbolicGradient, which
@@ -200,11 +198,12 @@ class _Backprop:
         grads = compat.stock_gradients(targets, sources, seeds, name="backprop",
                                        stop_gradients=stops, **self._tf_kwargs)
         new_ops = self._graph.get_operations()[first_new_op:]
-        if stand_ins:
-            captured_reads.read_copies(new_ops, stand_ins)
+        recomputed = frozenset()
+        if copies:
+            captured_reads.read_copies(new_ops, {**dict(zip(names, sources)), **copies})
             if self._gated:  # not across tf.compat.v1 control flow contexts
                 captured_reads.wait_for_seeds(new_ops, seeds)
-        recomputed = {t.ref() for t in copies.values()} if copies else frozenset()
+            recomputed = {t.ref() for t in copies.values()}
         made = [(n, g) for n, g in zip(names or [t.name for t in sources], grads) if g is not None]
         if self._gated:
             self._order(new_ops, seeds, made, recomputed)
