@@ -79,6 +79,20 @@ def measured_live_at_peak(events):
     return peak, at_peak
 
 
+def requested_peak(events):
+    """Peak over the call of the bytes requested (what the ops asked for, without BFC's
+    chunk excess): the quantity the timeline predicts."""
+    live, total, peak = {}, 0, 0
+    for _, size, addr, _, _, requested in events:
+        if size > 0:
+            live[addr] = requested
+            total += requested
+        elif addr in live:
+            total -= live.pop(addr)
+        peak = max(peak, total)
+    return peak
+
+
 def predicted_live_at_peak(model, plan):
     """(peak, [(bytes, key)] alive at the simulator's peak step)."""
     from memory_saving_gradients.core import timeline

@@ -142,7 +142,7 @@ def model_and_data(model_name, threads):
     return model, inputs, labels
 
 
-def measure(model_name, methods, threads, jit=False):
+def measure(model_name, methods, threads, jit=False, requested=False):
     """Rows (one per method): predicted and measured activation bytes.
 
     Measured in this process, one method after the other, each step traced
@@ -156,6 +156,9 @@ def measure(model_name, methods, threads, jit=False):
     rows = [_measure_peak(method, traced[method], inputs, labels) | {"seconds": seconds[method]}
             if method in steps else {"method": method, "error": traced[method]["error"]}
             for method in methods]
+    for row in rows if requested else ():  # profiled after every peak: they share the allocator
+        if row["method"] in steps:
+            row.update(_requested(traced[row["method"]], inputs, labels))
     return [{"model": model_name, "threads": threads, **({"jit": True} if jit else {}), **row}
             for row in rows]
 
@@ -209,6 +212,16 @@ def _measure_peak(method, traced, inputs, labels):
             "measured_all": [int(p) - weights for p in peaks]}
 
 
+def _requested(traced, inputs, labels):
+    """Peak of the bytes requested (BFC's chunk excess left out) minus the weight
+    gradients, median of 3 profiled calls (benchmarks/live_set_diff.py)."""
+    from benchmarks.live_set_diff import allocator_events, requested_peak
+    weights = loss_and_weights_bytes(traced["plan"])
+    peaks = [requested_peak(allocator_events(traced["step"], inputs, labels)) - weights
+             for _ in range(3)]
+    return {"requested": int(statistics.median(peaks)), "requested_all": peaks}
+
+
 def _step_seconds(steps, inputs, labels):
     """Median seconds per step of each method, the methods called in turn
     (round-robin, so load on the shared machine hits them alike)."""
@@ -228,11 +241,11 @@ def loss_and_weights_bytes(plan):
     return sum(plan.model.weight_grad_bytes.values())
 
 
-def run_job(model_name, methods, threads, timeout=900, jit=False):
+def run_job(model_name, methods, threads, timeout=900, jit=False, requested=False):
     """Runs `measure` in a fresh subprocess; returns its rows (or error rows)."""
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", TF_CPU_ALLOCATOR_USE_BFC="1")
     command = [sys.executable, "-m", "benchmarks.predicted_vs_measured", "--job",
-               json.dumps([model_name, list(methods), threads, jit])]
+               json.dumps([model_name, list(methods), threads, jit, requested])]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
                               env=env, check=False, cwd=pathlib.Path(__file__).parent.parent)
@@ -295,6 +308,8 @@ def main(argv=None):
     parser.add_argument("--report", action="store_true",
                         help="only rewrite the .md table from the .jsonl rows")
     parser.add_argument("--jit", action="store_true", help="compile the step with XLA")
+    parser.add_argument("--requested", action="store_true",
+                        help="also profile 3 calls for the peak of the bytes requested")
     parser.add_argument("--job", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.job:
@@ -309,7 +324,8 @@ def main(argv=None):
     jsonl = RESULTS / f"{args.out}.jsonl"
     for model_name in args.models.split(","):
         for threads in args.threads.split(","):
-            for row in run_job(model_name, args.methods.split(","), threads, jit=args.jit):
+            for row in run_job(model_name, args.methods.split(","), threads, jit=args.jit,
+                               requested=args.requested):
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 with jsonl.open("a") as f:

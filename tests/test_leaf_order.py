@@ -130,3 +130,29 @@ def test_one_thread_peak_stays_at_the_default_threadings():
     # its bottom: 27.5 MiB of activations against 18.2 with default threading.
     default, single = _measured_peak_mib("default"), _measured_peak_mib("1")
     assert single <= default + 2.5, (default, single)
+
+
+def test_the_first_calls_leaf_gradients_run_before_the_next_blocks_relu_gradient():
+    # Below the last checkpoint (block 5) blocks 6-11 are differentiated from the forward
+    # pass's own tensors. With one inter-op thread that chain ran to the checkpoint before
+    # any weight gradient: a 16-block MLP's 50% budget measured 9.8 MiB for 7.2 predicted.
+    ctx = Context()
+
+    @tf.function(autograph=False)
+    def step(x):
+        model = _residual_mlp(ctx, x)
+        return msg.gradients(model.ys, model.xs, checkpoints=model.lists["six"][:1])
+
+    graph = step.get_concrete_function(tf.TensorSpec((8, 16))).graph
+
+    def first_call_ops(block, types):
+        return [op for op in graph.get_operations() if op.type in types
+                and op.name.startswith("gradients/backprop/") and f"/block{block}/" in op.name]
+
+    for block in range(7, BLOCKS):
+        leaves = [op for op in first_call_ops(block, ("MatMul", "BiasAddGrad"))
+                  if op.type == "BiasAddGrad" or op.get_attr("transpose_a")]
+        (relu_grad,) = first_call_ops(block - 1, ("ReluGrad",))
+        assert len(leaves) == 4, [op.name for op in leaves]
+        for leaf in leaves:
+            assert waits_for(relu_grad, leaf), (leaf.name, relu_grad.name)

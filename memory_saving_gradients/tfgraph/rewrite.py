@@ -72,6 +72,14 @@ def _is_function_call(op: tf.Operation) -> bool:
             or compat.is_function_op(op))
 
 
+def _seeds_of(ys, grad_ys) -> list:
+    """`grad_ys` with tf.gradients' own default (ones) made here for the float ys that
+    have none, so the ops that carry the gradient are known (leaf_order.py)."""
+    given = list(grad_ys) if grad_ys is not None else [None] * len(ys)
+    return [tf.ones_like(y) if g is None and y.dtype.is_floating else g
+            for y, g in zip(ys, given)]
+
+
 def _differentiable(tensor: tf.Tensor) -> bool:
     """False for ops registered as not differentiable (random ops, shapes)."""
     try:
@@ -113,7 +121,11 @@ class _Backprop:
         # source (an x given twice, or an x that is also a checkpoint), and
         # every answer would be collected as one more partial gradient.
         sources = list({t.name: t for t in self._kept + self._xs}.values())
-        self._released = self._differentiate(sources, ys, grad_ys, self._kept)
+        # The forward tensors this call's gradients read are held until they run,
+        # as a level's copies are: its leaf gradients are ordered too.
+        held = [self._graph.get_tensor_by_name(n) for n in self._reading.region]
+        self._released = self._differentiate(sources, ys, _seeds_of(ys, grad_ys), self._kept,
+                                             held=held)
 
     def through_level(self, number: int, level: Level) -> None:
         """Phase 2, one level: recompute its segment and differentiate it."""
@@ -175,14 +187,16 @@ class _Backprop:
             results.append(grad)
         return results
 
-    def _differentiate(self, sources, targets, seeds, stops, names=None, copies=None) -> list:
+    def _differentiate(self, sources, targets, seeds, stops, names=None, copies=None,
+                       held=()) -> list:
         """Stock tf.gradients of `targets` to `sources`; records the parts.
 
         `copies`: original name -> copy, of a level's copies differentiated
         (the sources then are the level's stubs of what it reads from outside,
         `names` their originals). Gradient ops read the copies and stubs,
         never the originals (captured_reads.py), and leaf gradient readers of
-        the copies run before backprop passes them (leaf_order.py).
+        the copies run before backprop passes them (leaf_order.py); `held`:
+        forward tensors whose leaf gradient readers do the same (the first call's).
         Returns the gradients it made (those that are not None)."""
         calls = {t.op for t in stops + self._stops if _is_function_call(t.op)}
         # A call at a stop is differentiated anyway, by SymbolicGradient, which
@@ -198,7 +212,7 @@ class _Backprop:
         grads = compat.stock_gradients(targets, sources, seeds, name="backprop",
                                        stop_gradients=stops, **self._tf_kwargs)
         new_ops = self._graph.get_operations()[first_new_op:]
-        recomputed = frozenset()
+        recomputed = {t.ref() for t in held}
         if copies:
             captured_reads.read_copies(new_ops, {**dict(zip(names, sources)), **copies})
             if self._gated:  # not across tf.compat.v1 control flow contexts
@@ -206,7 +220,7 @@ class _Backprop:
             recomputed = {t.ref() for t in copies.values()}
         made = [(n, g) for n, g in zip(names or [t.name for t in sources], grads) if g is not None]
         if self._gated:
-            self._order(new_ops, seeds, made, recomputed)
+            self._order(new_ops, seeds, made, recomputed, first_call=bool(held))
         # Function calls among the stops that tf.gradients differentiated all
         # the same (their gradient ops record them as their forward op).
         through = calls & {compat.forward_op_of_gradient(op) for op in new_ops} if calls else set()
@@ -215,13 +229,19 @@ class _Backprop:
             self._ledger.add(name, g, sent=sent)
         return [g for _, g in made]
 
-    def _order(self, new_ops, seeds, made, recomputed) -> None:
+    def _order(self, new_ops, seeds, made, recomputed, first_call=False) -> None:
         """Orders the gradient ops one call made (scratch ones, leaves).
 
-        `made`: (source name, gradient) pairs the call returned."""
+        `made`: (source name, gradient) pairs the call returned. In the first
+        call (ys to checkpoints) the gradients to the xs end there too: only
+        those to checkpoints go on to a level."""
         self._scratch_chain.extend(new_ops, [g for _, g in made])
-        to_weights = [g for n, g in made if self._reading.is_weight(n)]
-        onward = [g for n, g in made if not self._reading.is_weight(n)]
+        kept = set(self._plan.kept) if first_call else ()
+
+        def ends(name):
+            return self._reading.is_weight(name) or (first_call and name not in kept)
+        to_weights = [g for n, g in made if ends(n)]
+        onward = [g for n, g in made if not ends(n)]
         leaf_order.order_leaves(new_ops, seeds, recomputed, to_weights, onward)
 
     def _inputs_of(self, kept) -> list:
