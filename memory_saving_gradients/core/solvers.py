@@ -26,7 +26,7 @@ import numpy as np
 from memory_saving_gradients.core import cuts as cut_model
 
 MAX_QUANTA = 512  # resolution of kept bytes in the budgeted search
-NEGATIVE_QUANTA = 2  # least_recompute: running totals down to -2 * quanta quanta, exactly
+NEGATIVE_QUANTA = 2  # least_recompute tracks kept totals exactly down to -2 * quanta quanta
 PLAN_SLACKS = (0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0)  # low_peak_plans: budgets above the least peak
 
 
