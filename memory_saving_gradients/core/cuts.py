@@ -16,13 +16,20 @@ up to j's own are alive. For cuts P with intervals I_0 .. I_k (I_k the tail),
 K_j the bytes kept across I_j's closing cut (made in I_j, read after it), S_j
 the bytes I_j recomputes that backprop holds (those some gradient reads; the
 others are freed as the recomputation moves on; the tail: its forward bytes
-that backprop holds), and fixed the bytes always kept (pinned: stateful or
-control flow; and the ys):
+that backprop holds), W_j the bytes I_j's gradients send to weights, and fixed
+the bytes always kept (pinned: stateful or control flow; and the ys):
 
-    peak(P)      = fixed + max over j of (K_0 + ... + K_j + S_j)
+    peak(P)      = fixed + max over j of (K_0 - W_0 + ... + K_j - W_j + S_j)
     recompute(P) = cost of the ops recomputed, summed over the intervals
 
-(K_k = 0: nothing is kept across the tail.) Intervals near the start may be
+(K_k = W_k = 0: nothing is kept across the tail, and its weight gradients
+are made while it is differentiated.) The peak is, like the timeline's, the
+step's peak less every weight gradient it returns: while I_j is
+differentiated, the weight gradients of the intervals after it are made and
+alive to the end of the step, those of I_0 .. I_j are not yet, so keeping a
+tensor costs less the earlier in backprop it is freed (a chain's top
+intervals are differentiated beside few weight gradients, its bottom ones
+beside nearly all). Intervals near the start may be
 longer than those near the end, which are differentiated while every earlier
 checkpoint is still held: on a chain of n equal ops the best plan shrinks its
 intervals by one op per cut, about sqrt(2n) tensors at the peak, not 2 sqrt(n).
@@ -54,6 +61,8 @@ class CutProblem:
         to the end (a y).
       always_kept: ops whose outputs are kept whatever the cuts (pinned, ys).
       cuts: candidate cut positions, ascending; a cut at p lies after op p.
+      op_weights: bytes each op's gradient sends to weights (alive from then
+        to the end of the step).
     """
     ops: tuple
     op_bytes: np.ndarray
@@ -62,6 +71,7 @@ class CutProblem:
     always_kept: np.ndarray
     cuts: np.ndarray
     op_held: np.ndarray
+    op_weights: np.ndarray
 
     @property
     def fixed_bytes(self) -> int:
@@ -90,6 +100,7 @@ def from_model(model: GraphModel, max_cuts=None, cut_after=None) -> CutProblem:
     op_cost = np.zeros(end, np.float64)
     last_use = np.arange(end, dtype=np.int64)
     op_held = np.zeros(end, np.int64)
+    op_weights = np.array([model.weight_grad_bytes.get(op, 0) for op in ops], np.int64)
     always = np.zeros(end, bool)
     ys, pinned = set(model.ys), model.pinned
     held = {t for op in ops for t in timeline.gradient_reads(model, op)}
@@ -101,7 +112,8 @@ def from_model(model: GraphModel, max_cuts=None, cut_after=None) -> CutProblem:
         readers = [position[tensors[s].op] for s in model.graph.successors(name)]
         last_use[i] = max([last_use[i], *readers, end if name in ys else 0])
         always[i] |= name in pinned or name in ys
-    problem = make_problem(ops, op_bytes, op_cost, last_use, always, max_cuts, op_held)
+    problem = make_problem(ops, op_bytes, op_cost, last_use, always, max_cuts, op_held,
+                           op_weights)
     if cut_after is None:
         return problem
     wanted = [i for i, op in enumerate(ops[:-1])
@@ -110,11 +122,14 @@ def from_model(model: GraphModel, max_cuts=None, cut_after=None) -> CutProblem:
 
 
 def make_problem(ops, op_bytes, op_cost, last_use, always_kept, max_cuts=None,
-                 op_held=None) -> CutProblem:
+                 op_held=None, op_weights=None) -> CutProblem:
     """A CutProblem from plain sequences; candidate cuts as in `from_model`.
 
-    `op_held` defaults to `op_bytes` (every output read by a gradient)."""
+    `op_held` defaults to `op_bytes` (every output read by a gradient),
+    `op_weights` to zeros (no weight gradients)."""
     op_bytes = np.asarray(op_bytes, np.int64)
+    op_weights = np.zeros(len(ops), np.int64) if op_weights is None else np.asarray(
+        op_weights, np.int64)
     op_held = op_bytes if op_held is None else np.asarray(op_held, np.int64)
     last_use = np.asarray(last_use, np.int64)
     always_kept = np.asarray(always_kept, bool)
@@ -122,7 +137,7 @@ def make_problem(ops, op_bytes, op_cost, last_use, always_kept, max_cuts=None,
     if max_cuts is not None and len(positions) > max_cuts:
         positions = _cheapest_cuts(op_bytes, last_use, always_kept, max_cuts)
     return CutProblem(tuple(ops), op_bytes, np.asarray(op_cost, np.float64), last_use,
-                      always_kept, positions, op_held)
+                      always_kept, positions, op_held, op_weights)
 
 
 def live_bytes(op_bytes, last_use, always_kept):
@@ -169,7 +184,10 @@ def evaluate(problem: CutProblem, cuts) -> Cost:
     recomputed = free & ~kept & (closing < len(cuts))
     tail = free & (closing == len(cuts))
     per_interval = len(cuts) + 1
-    held = np.cumsum(np.bincount(closing[kept], problem.op_bytes[kept], minlength=per_interval))
+    kept_less_weights = (np.bincount(closing[kept], problem.op_bytes[kept], minlength=per_interval)
+                         - np.bincount(closing, problem.op_weights, minlength=per_interval))
+    kept_less_weights[-1] = 0  # the tail's weight gradients are made while it runs
+    held = np.cumsum(kept_less_weights)
     segments = np.bincount(closing[recomputed], problem.op_held[recomputed],
                            minlength=per_interval)
     segments[-1] = problem.op_held[tail].sum()

@@ -3,14 +3,16 @@
 No TensorFlow. A plan is a path 0 = start < c1 < ... < ck through the candidate
 cuts; the bytes kept, the bytes and cost recomputed in an interval all depend
 on the interval's two ends only (`_Pairs`), and the peak is the largest of
-(bytes kept so far + bytes the interval recomputes), the tail's included. So:
+(bytes kept so far, less the weight gradients not yet made, + bytes the
+interval recomputes), the tail's included. So:
 
 * `least_peak`: backwards over the cuts, the least peak of the rest of a plan
   starting at cut i is  f(i) = min(tail(i), min over j of K(i, j) +
   max(S(i, j), f(j))): exact in O(m^2) for m candidate cuts. Among the plans
   of that peak, the least recompute is `least_recompute` at that budget.
 * `least_recompute`: a shortest path on recompute with kept bytes as a
-  resource (a dynamic program over (cut, kept bytes in quanta)); an interval
+  resource (a dynamic program over (cut, kept bytes in quanta), negative
+  when more weight gradients are made than bytes kept); an interval
   may be taken only if the bytes kept so far plus its own recomputed bytes
   fit, and a plan may end at a cut only if its tail fits. Exact when the
   quantum is 1 byte; otherwise kept bytes are rounded up per interval, so the
@@ -24,6 +26,7 @@ import numpy as np
 from memory_saving_gradients.core import cuts as cut_model
 
 MAX_QUANTA = 512  # resolution of kept bytes in the budgeted search
+NEGATIVE_QUANTA = 2  # least_recompute tracks kept totals exactly down to -2 * quanta quanta
 PLAN_SLACKS = (0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0)  # low_peak_plans: budgets above the least peak
 
 
@@ -50,11 +53,15 @@ class _Pairs:
         self._u = np.searchsorted(self.at, pos, side="left")
         self._v = np.searchsorted(self.at, problem.last_use[self._free], side="left")
         made, totals = self.internal(problem.op_bytes)
-        self.K = totals[None, :-1] - totals[:-1, None] - made
+        # Kept bytes less the weight gradients the interval makes (`cuts`): may be negative.
+        weights = np.concatenate([[0], np.cumsum(problem.op_weights)])[self.at + 1]
+        self.K = (totals[None, :-1] - totals[:-1, None] - made
+                  - (weights[None, :] - weights[:, None]))
         self.S, held = self.internal(problem.op_held)
         self.C, _ = self.internal(problem.op_cost)
         self.tail = held[-1] - held[:-1]
         self.fixed = problem.fixed_bytes
+        self.weights = weights[-1]  # up to the last cut
 
     def internal(self, weights):
         """Per pair (i, j): summed weights of the ops in (i, j] not alive across j;
@@ -125,53 +132,71 @@ def least_recompute(problem, budget: float, quanta: int = MAX_QUANTA, forbidden=
                     pairs=None):
     """The cuts of least recompute whose cut-model peak is at most `budget`, or None.
 
-    Kept bytes are counted in quanta of ceil(room / quanta) bytes (room: the
+    Kept bytes (less the weight gradients made, so a running total may be
+    negative) are counted in quanta of ceil(room / quanta) bytes (room: the
     budget minus the bytes always kept), rounded up per interval; with
     quanta >= room the search is exact. Ties: fewer kept quanta.
     `forbidden` as in `least_peak`.
     """
     pairs = pairs or _Pairs(problem)
-    room = budget - pairs.fixed
-    if room < 0:
-        return None
+    room = budget - pairs.fixed  # negative when weight gradients pay for more than is kept
     quantum = max(1.0, np.ceil(room / quanta))
     steps = int(room // quantum)
+    # Quanta below zero the running total may reach (weight gradients made beyond
+    # the bytes kept); lower totals are counted as this one, which only overestimates.
+    low = int(min(np.ceil(pairs.weights / quantum), NEGATIVE_QUANTA * quanta))
+    if steps < -low:
+        return None
     need = np.ceil(pairs.K / quantum).astype(np.int64)
     # Highest kept quanta after taking (i, j] such that they and S(i, j) fit.
     top = np.floor((room - pairs.S) / quantum)
-    allowed = _allowed(pairs, forbidden) & (top >= need)
-    best, back = _budget_paths(pairs, allowed, need, np.minimum(top, steps).astype(np.int64),
-                               steps)
-    ends = np.arange(steps + 1)[None, :] * quantum + pairs.tail[:, None] <= room
-    score = np.where(ends, best, np.inf)
+    allowed = _allowed(pairs, forbidden) & (top >= need - low)
+    best, back, source = _budget_paths(pairs, allowed, need,
+                                       np.minimum(top, steps).astype(np.int64),
+                                       max(steps, 0), low)
+    kept = np.arange(-low, max(steps, 0) + 1)[None, :] * quantum
+    score = np.where(kept + pairs.tail[:, None] <= room, best, np.inf)
     if not np.isfinite(score).any():
         return None
-    end, q = min(zip(*np.nonzero(score == score.min())), key=lambda at: at[1])
-    path = [int(end)]
-    q = int(q)
+    end, at = min(zip(*np.nonzero(score == score.min())), key=lambda found: found[1])
+    path, at = [int(end)], int(at)
     while path[-1] > 0:
-        i = int(back[path[-1], q])
-        q -= int(need[i, path[-1]])
-        path.append(i)
+        j = path[-1]
+        path.append(int(back[j, at]))
+        at = int(source[j, at])
     found = pairs.cuts_of(path)
     return Solution(found, cut_model.evaluate(problem, found))
 
 
-def _budget_paths(pairs, allowed, need, top, steps):
-    """Per cut j and kept quanta q: least cost of a path to j keeping exactly q quanta.
+def _budget_paths(pairs, allowed, need, top, steps, low):
+    """Per cut j and kept quanta q (index q + low): least cost of a path to j keeping
+    exactly q quanta, the cut before j on it, and the index it came from there.
 
     One pass per allowed interval (i, j], on slices of the quanta it leaves room for.
     """
-    m = len(pairs.at)
-    best = np.full((m, steps + 1), np.inf)
-    back = np.zeros((m, steps + 1), np.int32)
-    best[0, 0] = 0.0
+    m, width = len(pairs.at), low + steps + 1
+    best = np.full((m, width), np.inf)
+    back = np.zeros((m, width), np.int32)
+    source = np.zeros((m, width), np.int32)
+    best[0, low] = 0.0
     for j in range(1, m):
         for i in np.flatnonzero(allowed[:j, j]):
-            shift, last = int(need[i, j]), int(top[i, j])
-            came = best[i, :last + 1 - shift] + pairs.C[i, j]
-            into = best[j, shift:last + 1]
-            better = came < into
-            into[better] = came[better]
-            back[j, shift:last + 1][better] = i
-    return best, back
+            shift = int(need[i, j])
+            end = min(width, int(top[i, j]) - shift + low + 1)  # indices at i that fit
+            came = best[i, :end] + pairs.C[i, j]
+            first = max(0, -shift)  # indices below land under the lowest: counted as it
+            if first > 0 and end > 0:
+                k = int(np.argmin(came[:first]))
+                _improve(best, back, source, j, slice(0, 1), came[k:k + 1], i, np.array([k]))
+            if end > first:
+                _improve(best, back, source, j, slice(first + shift, end + shift), came[first:],
+                         i, np.arange(first, end))
+    return best, back, source
+
+
+def _improve(best, back, source, j, into, came, i, indices):
+    """Takes the costs `came` (from cut i, at `indices`) where they beat best[j, into]."""
+    better = came < best[j, into]
+    best[j, into][better] = came[better]
+    back[j, into][better] = i
+    source[j, into][better] = indices[better]
