@@ -106,3 +106,21 @@ def test_side_input_sharing_a_ref_variables_buffer_is_not_made_again(view):
             stock_value, ours_value = sess.run([stock, ours], {x: rng.randn(8, 32)})
     for s, o in zip(stock_value, ours_value):
         np.testing.assert_allclose(o, s, rtol=1e-5, atol=1e-5)
+
+
+def test_ref_variable_walks_remember_every_tensor_found_free(monkeypatch):
+    """Asked about the end of a chain, then about each tensor above it, the walks
+    look at each tensor's dtype once (they looked at the whole chain above each)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        chain = [tf.compat.v1.placeholder(tf.float32, [4])]
+        for _ in range(40):
+            chain.append(tf.tanh(chain[-1]))
+    looked_at = []
+    is_ref = side_inputs.compat.is_ref_dtype
+    monkeypatch.setattr(side_inputs.compat, "is_ref_dtype",
+                        lambda dtype: looked_at.append(dtype) or is_ref(dtype))
+    side = side_inputs.SideInputs(lambda name: True)
+    assert not any(side._from_a_ref_variable(t)  # pylint: disable=protected-access
+                   for t in reversed(chain))
+    assert len(looked_at) == len(chain)

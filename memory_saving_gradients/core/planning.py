@@ -96,15 +96,16 @@ def split_ops(model, checkpoints, segments, groups):
     summed first. `segments`: checkpoint -> (recomputed, read); `groups`: the
     levels' checkpoint sets. Linear in the total size of the segments.
     """
-    calls = {}  # op name -> the calls that would differentiate it
-    for t in _top_region(model, checkpoints):
-        calls.setdefault(model.op_of(t), set()).add(-1)
+    tensors = model.tensors
+    first_call = {tensors[t].op: -1 for t in _top_region(model, checkpoints)}
+    split = set()  # ops a second call reaches
     for number, group in enumerate(groups):
         for c in group:
             for t in segments[c][0] - checkpoints:
-                calls.setdefault(model.op_of(t), set()).add(number)
-    return {t for op, where in calls.items() if len(where) > 1 for t in model.op_outputs[op]
-            if model.tensors[t].is_float}
+                op = tensors[t].op
+                if first_call.setdefault(op, number) != number:
+                    split.add(op)
+    return {t for op in split for t in model.op_outputs[op] if tensors[t].is_float}
 
 
 def _top_region(model, checkpoints):
@@ -141,11 +142,11 @@ def make_plan(model: GraphModel, chosen: Iterable[str], strategy: str, notes=())
         if not split:
             break
         checkpoints |= expand_to_ops(model, split)
-    levels = []
+    levels, tensors = [], model.tensors
     for group in groups:
         owners = {}
         for c in group:
-            for op in {model.op_of(t) for t in segments[c][0]}:
+            for op in {tensors[t].op for t in segments[c][0]}:
                 owners.setdefault(op, []).append(c)
         levels.append(Level(
             checkpoints=tuple(group),

@@ -22,6 +22,7 @@ from typing import Optional
 
 import numpy as np
 
+from memory_saving_gradients.core import collector
 from memory_saving_gradients.core import cuts
 from memory_saving_gradients.core import op_table
 from memory_saving_gradients.core import planning
@@ -222,6 +223,7 @@ def validate(checkpoints) -> str:
     return "custom" if callable(checkpoints) else "list"
 
 
+@collector.paused
 def select(model: GraphModel, mode: str, names=(), strategy=None) -> Result:
     """Runs the strategy of `mode` and logs what it chose.
 

@@ -27,6 +27,7 @@ out once per model (`op_table.per_model`): strategies price many plans.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Optional
 
 import numpy as np
@@ -145,6 +146,7 @@ class _Replay(LoopEvents):
         self.transient = []  # (step, bytes) of scratch buffers
         self.pending = {}   # tensor name -> keys of gradient parts waiting for its op
         self.alias = {}     # buffer key -> the key whose buffer it shares
+        self.weight_keys = set()  # buffer keys of the weight gradients
         self.recompute_flops = 0
         self.largest_level_bytes = 0
 
@@ -179,9 +181,8 @@ class _Replay(LoopEvents):
         """Runs `op` (an original or a copy): allocates its outputs, reads its inputs."""
         self.step += 1
         row = self.rows[op]
-        for t in row.inputs:
-            self._use(source(t))
-        if where != ("fwd",) and self._reuses_forward(op):
+        self._use_all(map(source, row.inputs))
+        if where != ("fwd",) and op in self.model.loops and self._reuses_forward(op):
             for o in row.outputs:  # the copy is the forward run's outputs
                 self._alloc(where + (o,), 0)
                 self.alias[where + (o,)] = ("fwd", o)
@@ -220,8 +221,8 @@ class _Replay(LoopEvents):
 
         for op in running:
             self._forward(op, source, where)
-            if not self._reuses_forward(op):
-                self.recompute_flops += self.tensors[model.op_outputs[op][0]].cost
+            if op not in model.loops or not self._reuses_forward(op):
+                self.recompute_flops += self.rows[op].cost
         self.largest_level_bytes = max(self.largest_level_bytes, model.bytes_of(local))
         self._backward(level.copy_ops, {op: source for op in level.copy_ops}, leaves_ordered=True)
         # Roots that cannot be recomputed are differentiated after the copies.
@@ -236,35 +237,42 @@ class _Replay(LoopEvents):
         (tfgraph/leaf_order.py), so nothing trails beside the gradients below.
         """
         model = self.model
+        # Looked up once per call: this loop runs for every op of every replay.
+        rows, pending, born, last_use = self.rows, self.pending, self.born, self.last_use
+        forward_keys = op_table.per_model(model, "forward_keys", _forward_keys)
         trailing = ((), 0)  # keys read and scratch of a gradient part still running
         for op in reversed(ops):
             self.step += 1
-            row = self.rows[op]
-            source = sources.get(op, _original)
-            read = [key for o in row.outputs for key in self.pending.pop(o, ())]
+            row = rows[op]
+            source = sources.get(op)
+            read = [key for o in row.outputs for key in pending.pop(o, ())]
             if not read and self.ys.isdisjoint(row.outputs):
                 continue  # no gradient reaches it: tf.gradients builds none
-            read += [source(t) for t in row.reads]
+            read += map(source or forward_keys.__getitem__, row.reads)
             # A chain still running meets this gradient, the next chain's too.
-            for key in read + list(trailing[0]):
-                self._use(key)
+            self._use_all(read)
+            self._use_all(trailing[0])
             self._scratch(trailing[1])
             if self.planned and not leaves_ordered and op in model.trailing_workspace:
                 trailing = (read, model.trailing_workspace[op])
-            if op not in sources:  # an original: its forward-only parts ran with it
+            if source is None:  # an original: its forward-only parts ran with it
+                source = _original
                 self._held_since_forward(op, row)
             self._scratch(self.workspace.get(op, 0))
             if op in model.loops:
                 self._loop_backward(op, model.loops[op], source(row.outputs[0])[:-1])
-            for t, size in row.grads:
+            step = self.step
+            for t, size in row.grads:  # `_alloc`, inlined
                 key = ("grad", op, t)
-                self._alloc(key, size)
-                self.pending.setdefault(t, []).append(key)
+                born[key] = (step, size)
+                last_use.setdefault(key, step)
+                pending.setdefault(t, []).append(key)
             weights = model.weight_grad_bytes.get(op, 0)
             if weights:
                 key = ("weights", op)
                 self._alloc(key, weights)
                 self.last_use[key] = _END
+                self.weight_keys.add(key)
 
     def _held_since_forward(self, op, row):
         """The op's early gradient parts (`model.early_workspace`): alive from its
@@ -285,21 +293,28 @@ class _Replay(LoopEvents):
         self.last_use.setdefault(key, self.step)
 
     def _use(self, key):
-        while key is not None:  # buffers are in `last_use` from their allocation on
-            if self.last_use.get(key, _END) != _END:
-                self.last_use[key] = self.step
-            key = self.alias.get(key)
+        self._use_all((key,))
+
+    def _use_all(self, keys):
+        """Reads the buffers `keys` (and those they alias) in this step."""
+        last_use, alias, step = self.last_use, self.alias, self.step
+        for key in keys:
+            while key is not None:  # buffers are in `last_use` from their allocation on
+                if last_use.get(key, _END) != _END:
+                    last_use[key] = step
+                key = alias.get(key)
 
     def _weight_grad_bytes(self):
-        return sum(size for key, (_, size) in self.born.items() if key[0] == "weights")
+        return sum(self.born[key][1] for key in self.weight_keys)
 
     def _peak(self):
         """Max over steps of the bytes alive (difference array, linear)."""
         end = self.step + 2
         count = len(self.born)
-        starts = np.fromiter((start for start, _ in self.born.values()), np.int64, count)
-        sizes = np.fromiter((size for _, size in self.born.values()), np.int64, count)
-        last_use = np.fromiter((self.last_use[key] for key in self.born), np.float64, count)
+        born = np.fromiter(itertools.chain.from_iterable(self.born.values()), np.int64,
+                           2 * count).reshape(count, 2)
+        starts, sizes = born[:, 0], born[:, 1]
+        last_use = np.fromiter(map(self.last_use.__getitem__, self.born), np.float64, count)
         stops = np.where(last_use == _END, end, last_use + 1).astype(np.int64)
         delta = np.zeros(end + 1, np.int64)
         np.add.at(delta, starts, sizes)
@@ -323,6 +338,11 @@ def _original(tensor):
     return ("fwd", tensor)
 
 
+def _forward_keys(model):
+    """Tensor name -> `_original(name)`, made once per model (replays read them often)."""
+    return {name: ("fwd", name) for name in model.tensors}
+
+
 def _needed_copies(model, copy_ops):
     """The copies TensorFlow runs: those read by a needed copy or a level gradient.
 
@@ -330,12 +350,15 @@ def _needed_copies(model, copy_ops):
     other copy reads, is pruned by TensorFlow and never runs. A copied loop
     always runs: its gradient reads what it keeps (stacks or chunk states).
     """
-    rows, tensors = op_table.rows(model), model.tensors
-    copy_set = set(copy_ops)
-    read = {t for op in copy_ops for t in rows[op].reads}
+    rows, loops = op_table.rows(model), model.loops
+    read = set()
+    for op in copy_ops:
+        read.update(rows[op].reads)
     needed = []
     for op in reversed(copy_ops):
-        if op in model.loops or any(o in read for o in rows[op].outputs):
+        row = rows[op]
+        if op in loops or not read.isdisjoint(row.outputs):
             needed.append(op)
-            read.update(t for t in rows[op].inputs if tensors[t].op in copy_set)
+            # Inputs from outside the level are added too: no copy's output, never asked.
+            read.update(row.inputs)
     return needed[::-1]

@@ -14,6 +14,7 @@ from typing import Mapping, Sequence
 import networkx as nx
 import tensorflow as tf
 
+from memory_saving_gradients.core import collector
 from memory_saving_gradients.core.model import Activation
 from memory_saving_gradients.core.model import GraphModel
 from memory_saving_gradients.tfgraph import compat
@@ -167,6 +168,7 @@ def _activations(units, inputs, in_region, data):
     return activations
 
 
+@collector.paused
 def build_model(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor]) -> Reading:
     """Read the region between `xs` and `ys` (lists of tensors) into a Reading."""
     ops = region_ops(ys, xs)

@@ -95,7 +95,9 @@ class SideInputs:
         (Identity, Reshape, Bitcast, EnsureShape, CheckNumerics, a slice of whole rows, a
         transpose by the identity, a zero pad): read later by a level, such a tensor may no
         longer hold what the forward pass read. Walks back; a walk stops at tensors earlier
-        walks found free of ref variables."""
+        walks found free of ref variables. A walk that finds none found every tensor it
+        visited free too (all their ancestors were visited): each is remembered, so
+        walks over shared ancestors take linear time in all."""
         if tensor.name not in self._from_ref:
             todo, seen, found = [tensor], set(), False
             while todo and not found:
@@ -105,5 +107,7 @@ class SideInputs:
                 seen.add(t.name)
                 found = self._from_ref.get(t.name) or compat.is_ref_dtype(t.dtype)
                 todo.extend(t.op.inputs)
+            if not found:
+                self._from_ref.update(dict.fromkeys(seen, False))
             self._from_ref[tensor.name] = found
         return self._from_ref[tensor.name]
