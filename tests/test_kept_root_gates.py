@@ -9,21 +9,16 @@ gradients; and the model dropped what the call's gradient reads (its
 intermediates, the call's inputs), so the inputs were freed in the model only.
 """
 
-import json
-import os
-import pathlib
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import memory_saving_gradients as msg
+from tests.harness import module_result
 from tests.harness import waits_for
 from tests.kept_root_peak import residual_chain
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 WIDTH, BLOCKS = 16, 6
 
 
@@ -74,19 +69,9 @@ def test_gradients_equal_stock():
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6)
 
 
-def _measured(threads):
-    env = {**os.environ, "TF_CPU_ALLOCATOR_USE_BFC": "1", "PYTHONPATH": str(ROOT)}
-    env.pop("TF_NUM_INTEROP_THREADS", None)
-    if threads == "1":
-        env["TF_NUM_INTEROP_THREADS"] = "1"
-    done = subprocess.run([sys.executable, "-m", "tests.kept_root_peak"], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=600, check=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("threads", ["default", "1"])
 def test_predicted_peak_within_15_percent_of_measured(threads):
     # Before: 19.0 MiB predicted against 26.7 measured with one thread.
-    found = _measured(threads)
+    found = module_result("tests.kept_root_peak", threads)
     assert 0.85 <= found["predicted_mib"] / found["measured_mib"] <= 1.15, found
