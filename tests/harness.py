@@ -327,3 +327,22 @@ def waits_for(later: tf.Operation, first: tf.Operation) -> bool:
             seen.add(op)
             todo.extend(list(op.control_inputs) + [t.op for t in op.inputs])
     return False
+
+
+def module_result(module: str, threads: str) -> dict:
+    """The JSON a `python -m module` measuring script prints last, run in a fresh
+    process with allocator statistics on and TensorFlow's default threading
+    (`threads` "default") or one inter-op thread ("1")."""
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+    root = pathlib.Path(__file__).resolve().parent.parent
+    env = {**os.environ, "TF_CPU_ALLOCATOR_USE_BFC": "1", "PYTHONPATH": str(root)}
+    env.pop("TF_NUM_INTEROP_THREADS", None)
+    if threads == "1":
+        env["TF_NUM_INTEROP_THREADS"] = "1"
+    done = subprocess.run([sys.executable, "-m", module], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=600, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])

@@ -8,12 +8,6 @@ these tests check that in the graph, in a measured one-thread peak, and that
 gradients are unchanged.
 """
 
-import json
-import os
-import pathlib
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -23,10 +17,10 @@ from tests.harness import Context
 from tests.harness import Model
 from tests.harness import assert_matches_stock
 from tests.harness import gradients_vs_stock
+from tests.harness import module_result
 from tests.harness import waits_for
 
 BLOCKS = 12
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def _normal(shape, seed, scale=0.3):
@@ -114,13 +108,7 @@ def test_gradients_equal_stock_with_ordered_leaves(runtime):
 
 
 def _measured_peak_mib(threads: str) -> float:
-    env = {**os.environ, "TF_CPU_ALLOCATOR_USE_BFC": "1", "PYTHONPATH": str(ROOT)}
-    env.pop("TF_NUM_INTEROP_THREADS", None)
-    if threads == "1":
-        env["TF_NUM_INTEROP_THREADS"] = "1"
-    done = subprocess.run([sys.executable, "-m", "tests.leaf_order_peak"], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=600, check=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])["activation_mib"]
+    return module_result("tests.leaf_order_peak", threads)["activation_mib"]
 
 
 @pytest.mark.slow

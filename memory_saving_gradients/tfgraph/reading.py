@@ -243,6 +243,22 @@ def _passed_through(op, activations) -> dict:
             if o.name in activations and i.name in activations}
 
 
+def _names_read(op, reads):
+    """Names of the tensors `op`'s gradient reads (`reads`: its gradient_reads.Reads)."""
+    read = ([op.inputs[i].name for i in reads.inputs if i < len(op.inputs)]
+            + [op.outputs[i].name for i in reads.outputs if i < len(op.outputs)]
+            + list(reads.captured))
+    calls = op.type in ("PartitionedCall", "StatefulPartitionedCall") or compat.is_function_op(op)
+    if calls and any(i >= len(op.outputs) for i in reads.outputs):
+        # Outputs a function call gains when differentiated: its intermediates.
+        # They are computed from its inputs (an input passed through is that
+        # input's own buffer), so its inputs are what backprop keeps (a nested
+        # call of `a * scale` kept every `a`). Loops and conds, which gain
+        # outputs too, are left as they were (loop_memory prices loops).
+        read += [t.name for t in op.inputs]
+    return read
+
+
 def _record_backprop(op, op_inputs, activations, regions, backprop):
     """What `op`'s gradient reads, allocates besides its results, sends to weights.
 
@@ -258,11 +274,7 @@ def _record_backprop(op, op_inputs, activations, regions, backprop):
         scratch = 0
     else:
         reads = gradient_reads.gradient_reads(op, inputs_differentiated)
-        # Differentiating a function call or cond may give its op (or the
-        # probe's stand-in) outputs of its intermediates: index what exists.
-        read = ([op.inputs[i].name for i in reads.inputs if i < len(op.inputs)]
-                + [op.outputs[i].name for i in reads.outputs if i < len(op.outputs)]
-                + list(reads.captured))
+        read = _names_read(op, reads)
         scratch = reads.scratch_bytes
         if reads.early_bytes:
             backprop["early_workspace"][name] = reads.early_bytes

@@ -146,7 +146,11 @@ class _Backprop:
                 # differentiate the original ops.
                 read = self._inputs_of(kept)
                 released += self._differentiate(read, kept, [unsent[t.name] for t in kept], read)
-        self._released = released or self._released
+        # Gradients no gate has waited for yet (a level that recomputes nothing
+        # makes none) stay for the next one: else the leaf gradients of the
+        # level above it (a bias gradient) ran at the end of the step with one
+        # inter-op thread, holding their input gradient buffers.
+        self._released = self._released + released
 
     def _through_copies(self, level: Level) -> tuple:
         """Copies and differentiates the level; returns (copies, gradients made)."""
@@ -154,6 +158,8 @@ class _Backprop:
         arrived = [self._seeds[c] for c in level.checkpoints if c in self._seeds]
         level_gate = (gradient_waits.gate(arrived + self._released)
                       if level.copy_ops and self._gated else None)
+        if level_gate is not None:
+            self._released = []  # waited for: the next gate need not read them
 
         def read(tensor):  # what a copy reads for a tensor outside its level
             again = self._side.made_again(tensor, made, level_gate)
