@@ -184,12 +184,14 @@ def evaluate(problem: CutProblem, cuts) -> Cost:
     recomputed = free & ~kept & (closing < len(cuts))
     tail = free & (closing == len(cuts))
     per_interval = len(cuts) + 1
-    kept_less_weights = (np.bincount(closing[kept], problem.op_bytes[kept], minlength=per_interval)
-                         - np.bincount(closing, problem.op_weights, minlength=per_interval))
-    kept_less_weights[-1] = 0  # the tail's weight gradients are made while it runs
-    held = np.cumsum(kept_less_weights)
+    weights = np.bincount(closing, problem.op_weights, minlength=per_interval)
+    weights[-1] = 0  # the tail's weight gradients are made while it runs
+    held = np.cumsum(np.bincount(closing[kept], problem.op_bytes[kept], minlength=per_interval)
+                     - weights)
+    # An interval's own weight gradients are made while it is differentiated:
+    # beside its recomputed bytes they are not yet counted as made.
     segments = np.bincount(closing[recomputed], problem.op_held[recomputed],
-                           minlength=per_interval)
+                           minlength=per_interval) + weights
     segments[-1] = problem.op_held[tail].sum()
     peak = problem.fixed_bytes + int((held + segments).max())
     return Cost(kept_ops=frozenset(problem.ops[i] for i in np.flatnonzero(kept)),

@@ -58,6 +58,9 @@ class _Pairs:
         self.K = (totals[None, :-1] - totals[:-1, None] - made
                   - (weights[None, :] - weights[:, None]))
         self.S, held = self.internal(problem.op_held)
+        # An interval's own weight gradients are made while it is differentiated:
+        # beside its recomputed bytes they are not yet counted as made.
+        self.S = self.S + (weights[None, :] - weights[:, None])
         self.C, _ = self.internal(problem.op_cost)
         self.tail = held[-1] - held[:-1]
         self.fixed = problem.fixed_bytes
