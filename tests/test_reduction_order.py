@@ -4,7 +4,9 @@ The gradient of `x * scale` (a broadcast scale: batch norm, layer norm) makes
 `grad * scale` (full size) and `sum(x * grad)` (a full-size product summed to
 the scale's shape). Unordered, the executor ran both products before the
 sum; these tests check that the rewrite orders them, and that gradients stay
-tf.gradients'.
+tf.gradients'. Also on these batch-norm blocks: a level whose first gradient op
+reads only its seed (a mean's gradient) waits for the level's gate
+(gradient_waits.seed_after_gate).
 """
 
 import numpy as np
@@ -86,3 +88,27 @@ def test_gradients_equal_stock_with_sums_first(runtime):
     inputs = {"x": _normal((32, 16), seed=7, scale=1.0)}
     assert_matches_stock(gradients_vs_stock(runtime, _normalized_mlp, inputs),
                          rtol=1e-4, atol=1e-4)
+
+
+def test_a_level_starting_from_a_means_gradient_waits_for_its_gate():
+    # With a batch norm's mean a checkpoint, its level's first gradient op
+    # (the mean's gradient, tiled to full size) reads only the seed; it began
+    # beside the level above until the seed waited for the level's gate.
+    ctx = Context()
+
+    @tf.function(autograph=False)
+    def step(x):
+        model = _normalized_mlp(ctx, x)
+        graph = tf.compat.v1.get_default_graph()
+        means = [graph.get_tensor_by_name(f"block{i}/moments/Squeeze:0") for i in (1, 4)]
+        return msg.gradients(model.ys, model.xs, checkpoints=model.lists["three"] + means)
+
+    graph = step.get_concrete_function(tf.TensorSpec((32, 16))).graph
+    ops = graph.get_operations()
+    tiles = [op for op in ops if op.type == "Tile" and "/moments/mean_grad/" in op.name]
+    assert len(tiles) >= 2
+    for tile in tiles:
+        level = tile.name.split("/backprop/")[0]  # gradients/recompute_<n>
+        gates = [op for op in ops
+                 if op.name.startswith(f"{level}/wait_for_gradients/") and op.type == "Any"]
+        assert len(gates) == 1 and waits_for(tile, gates[0]), tile.name
