@@ -32,7 +32,6 @@ from memory_saving_gradients.tfgraph import copying
 from memory_saving_gradients.tfgraph import gradient_order
 from memory_saving_gradients.tfgraph import gradient_waits
 from memory_saving_gradients.tfgraph import leaf_order
-from memory_saving_gradients.tfgraph import reduction_order
 from memory_saving_gradients.tfgraph import op_kinds
 from memory_saving_gradients.tfgraph import conv_gradients
 from memory_saving_gradients.tfgraph import grouped_conv_calls
@@ -218,14 +217,13 @@ class _Backprop:
         return [g for _, g in made]
 
     def _order(self, new_ops, seeds, made, recomputed) -> None:
-        """Orders the gradient ops one call made (scratch ones, leaves, sums).
+        """Orders the gradient ops one call made (scratch ones, leaves).
 
         `made`: (source name, gradient) pairs the call returned."""
         self._scratch_chain.extend(new_ops, [g for _, g in made])
         to_weights = [g for n, g in made if self._reading.is_weight(n)]
         onward = [g for n, g in made if not self._reading.is_weight(n)]
         leaf_order.order_leaves(new_ops, seeds, recomputed, to_weights, onward)
-        reduction_order.reductions_first(new_ops)
 
     def _inputs_of(self, kept) -> list:
         """The tensors to differentiate kept roots to: what their ops read.
