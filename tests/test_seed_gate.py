@@ -1,12 +1,6 @@
-"""A gradient function's full-size products wait for its sums (tfgraph/reduction_order.py).
-
-The gradient of `x * scale` (a broadcast scale: batch norm, layer norm) makes
-`grad * scale` (full size) and `sum(x * grad)` (a full-size product summed to
-the scale's shape). Unordered, the executor ran both products before the
-sum; these tests check that the rewrite orders them, and that gradients stay
-tf.gradients'. Also on these batch-norm blocks: a level whose first gradient op
-reads only its seed (a mean's gradient) waits for the level's gate
-(gradient_waits.seed_after_gate).
+"""Levels of batch-norm blocks: a level whose first gradient op reads only its
+seed (a batch norm mean's gradient, tiled to full size) waits for the level's
+gate (gradient_waits.seed_after_gate), and gradients stay tf.gradients'.
 """
 
 import numpy as np
@@ -19,7 +13,6 @@ from tests.harness import Model
 from tests.harness import assert_matches_stock
 from tests.harness import gradients_vs_stock
 from tests.harness import waits_for
-from memory_saving_gradients.tfgraph import reduction_order
 
 BLOCKS = 6
 
@@ -45,46 +38,8 @@ def _normalized_mlp(ctx, x, blocks=BLOCKS):
                  lists={"three": kept})
 
 
-def _traced_graph():
-    ctx = Context()
-
-    @tf.function(autograph=False)
-    def step(x):
-        model = _normalized_mlp(ctx, x)
-        return msg.gradients(model.ys, model.xs, checkpoints=model.lists["three"])
-
-    return step.get_concrete_function(tf.TensorSpec((32, 16))).graph
-
-
-def test_a_batch_norms_input_product_waits_for_its_scale_sum():
-    graph = _traced_graph()
-    ops = [op for op in graph.get_operations()
-           if "recompute_" in op.name and "backprop" in op.name
-           and op.name.rpartition("/")[0].endswith("batchnorm/mul_1_grad")]
-    checked = 0
-    for block in range(BLOCKS):
-        scope = [op for op in ops if f"/block{block}/" in op.name]
-        if not scope:
-            continue
-        (product,) = [op for op in scope if op.type == "Mul" and op.name.endswith("/Mul")]
-        (scale_sum,) = [op for op in scope if op.type == "Sum"]
-        assert waits_for(product, scale_sum), (block, product.name)
-        checked += 1
-    assert checked >= BLOCKS - 2, [op.name for op in ops]
-
-
-def test_no_edge_where_the_sum_needs_the_product():
-    graph = tf.Graph()
-    with graph.as_default(), tf.name_scope("f_grad"):
-        g = tf.compat.v1.placeholder(tf.float32, (64, 8))
-        big = g * 2.0  # the product the sum reads: may not wait for it
-        total = tf.reduce_sum(big * g, axis=0)
-    assert reduction_order.reductions_first(graph.get_operations()) == 0
-    assert not waits_for(big.op, total.op)
-
-
 @pytest.mark.parametrize("runtime", ["function", "session"])
-def test_gradients_equal_stock_with_sums_first(runtime):
+def test_gradients_equal_stock_with_gated_seeds(runtime):
     inputs = {"x": _normal((32, 16), seed=7, scale=1.0)}
     assert_matches_stock(gradients_vs_stock(runtime, _normalized_mlp, inputs),
                          rtol=1e-4, atol=1e-4)
