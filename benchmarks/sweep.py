@@ -19,8 +19,14 @@ from benchmarks.methods import BASELINE
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_job(job, timeout=900):
-    """Runs `job` (a dict) in a fresh worker process; returns its result."""
+def run_job(job, timeout=None):
+    """Runs `job` (a dict) in a fresh worker process; returns its result.
+
+    `timeout` (s) defaults to 900, and to 2700 for a max-batch search, whose
+    bisection down to one batch takes a dozen probes of the largest batches.
+    """
+    if timeout is None:
+        timeout = 2700 if job.get("kind") == "max_batch" else 900
     with tempfile.TemporaryDirectory(prefix="msg_bench_") as tmp:
         job_path, out_path = os.path.join(tmp, "job.json"), os.path.join(tmp, "out.json")
         with open(job_path, "w") as f:

@@ -80,6 +80,23 @@ def wait_for_gate(tensor: tf.Tensor, level_gate: tf.Tensor) -> tf.Tensor:
         return tensor + tf.cast(level_gate, tensor.dtype) * tf.zeros([], tensor.dtype)
 
 
+def seed_after_gate(seed, level_gate):
+    """`seed` (a dense gradient a level starts from), readable only once
+    `level_gate` exists.
+
+    Copies wait for the gate, but a gradient op reading only the seed (a
+    mean's gradient tiles it to full size) does not: its level's backprop
+    began as soon as the seed existed, beside the level above (MobileNetV2 at
+    batch 144: a batch norm's mean and variance, each in a level of its own,
+    tiled their gradients while the level above held its largest buffers).
+    A control edge through an Identity, which takes no buffer of its own.
+    """
+    if level_gate is None or not isinstance(seed, tf.Tensor):
+        return seed
+    with tf.control_dependencies([level_gate]):
+        return tf.identity(seed)
+
+
 def wait_for_gradient(tensor: tf.Tensor, gradient) -> tf.Tensor:
     """`tensor` plus a zero computed from one element of numeric `gradient`."""
     return wait_for_gate(tensor, gate([gradient]))

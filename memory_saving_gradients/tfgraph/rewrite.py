@@ -170,9 +170,10 @@ class _Backprop:
         if not roots:
             return copies, []
         mapped = [copies.get(s.name, s) for s in self._stops]
+        seeds = [gradient_waits.seed_after_gate(self._seeds[c], level_gate) for c in roots]
         return copies, self._differentiate(
-            list(stubs.values()), [copies[c] for c in roots],
-            [self._seeds[c] for c in roots], mapped, names=list(stubs), copies=copies)
+            list(stubs.values()), [copies[c] for c in roots], seeds, mapped,
+            names=list(stubs), copies=copies)
 
     def to_xs(self) -> None:
         """Phase 3: the weights' partial gradients to the xs, in one pass."""
