@@ -157,3 +157,36 @@ def test_session_assign_made_after_the_gradients_call():
                 got_stock, got_ours, _ = sess.run([stock, ours, update], feed)
                 for a, b in zip(got_ours, got_stock):
                     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@tf.custom_gradient
+def _sine_with_row_gradient(x):
+    """A custom gradient of the wrong shape: one row for a [batch, n] input."""
+    def grad(dy):
+        return tf.reduce_sum(dy * tf.cos(x), axis=0, keepdims=True)
+    return tf.sin(x), grad
+
+
+def test_partial_gradients_of_mismatched_shapes_add_as_tf_gradients_does():
+    """A tensor's partial gradients are added with AddN's rules, not
+    broadcasting ones: a part of shape [1, n] beside one of [batch, n] (a
+    custom gradient of the wrong shape, unseen while batch is unknown) gave
+    other gradients than tf.gradients when the parts were added with
+    tf.math.add. Stock and ours each in a function of their own: in one
+    graph, Grappler shares their ops and hides the difference."""
+    w = tf.constant(_normal((6, 6), 0.4, seed=1).astype(np.float64))
+
+    def gradient_function(gradients):
+        @tf.function(input_signature=[tf.TensorSpec([None, 6], tf.float64)], autograph=False)
+        def run(x):
+            h0 = tf.tanh(tf.matmul(x, w))
+            a = tf.tanh(tf.matmul(_sine_with_row_gradient(h0), w))
+            b = tf.tanh(tf.matmul(a, w))
+            y = tf.reduce_sum(tf.square(tf.tanh(tf.matmul(b, w)) + h0))
+            return gradients(y, x, [a, b])
+        return run
+
+    x = tf.constant(_normal((4, 6)).astype(np.float64))
+    stock = gradient_function(lambda y, x, _: stock_gradients([y], [x])[0])(x)
+    ours = gradient_function(lambda y, x, kept: msg.gradients([y], [x], checkpoints=kept)[0])(x)
+    np.testing.assert_allclose(ours.numpy(), stock.numpy(), rtol=1e-9, atol=1e-12)
