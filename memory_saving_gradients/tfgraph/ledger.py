@@ -59,13 +59,14 @@ def _running_sum(parts: list) -> tf.Tensor:
     soon as the first part exists, one full-size buffer beside it: on
     MobileNetV2 (64 px, batch 144, `"memory"`) a batch norm's input gradient
     from three levels held it at the step's peak (docs/benchmarks_main.md).
-    Variant parts (TensorList gradients) have no AddV2 kernel: AddN adds them.
+    That rewrite skips AddN of two inputs, so each addition is one: AddN's
+    rules, as tf.gradients sums, for every dtype (variant TensorList parts
+    included), never broadcasting (a part of shape [1, n] beside [batch, n],
+    from a wrong-shaped custom gradient, broadcast with tf.math.add).
     """
-    if not (parts[0].dtype.is_floating or parts[0].dtype.is_complex):
-        return tf.add_n(parts)
     total = parts[0]
     for part in parts[1:]:
-        total = tf.math.add(total, part)
+        total = tf.add_n([total, part])
     return total
 
 
