@@ -22,9 +22,10 @@ from test_selection import residual_model
 
 
 @st.composite
-def problems(draw, max_ops=60, weights=False):
+def problems(draw, max_ops=60, weights=False, scale=1, weight_scale=1):
     """Random DAGs in topological order: each op reads 1-2 recent ops, sometimes a far one;
-    with `weights`, in about half the problems, ops' gradients also send bytes to weights."""
+    with `weights`, in about half the problems, ops' gradients also send bytes to weights.
+    Sizes are 1-4 times `scale` bytes, weight gradients 0-3 times `weight_scale`."""
     n = draw(st.integers(2, max_ops))
     last = list(range(n))
     for i in range(1, n):
@@ -34,12 +35,12 @@ def problems(draw, max_ops=60, weights=False):
         for r in reads:
             last[r] = max(last[r], i)
     last[-1] = n  # the y
-    sizes = draw(st.lists(st.integers(1, 4), min_size=n, max_size=n))
+    sizes = [scale * s for s in draw(st.lists(st.integers(1, 4), min_size=n, max_size=n))]
     costs = draw(st.lists(st.integers(1, 5), min_size=n, max_size=n))
     pinned = draw(st.lists(st.booleans(), min_size=n, max_size=n))
     always = [p and draw(st.booleans()) for p in pinned]  # about a quarter
     held = [draw(st.integers(0, size)) for size in sizes]  # what gradients read
-    sent = (draw(st.lists(st.integers(0, 3), min_size=n, max_size=n))
+    sent = ([weight_scale * w for w in draw(st.lists(st.integers(0, 3), min_size=n, max_size=n))]
             if weights and draw(st.booleans()) else None)
     return cuts.make_problem([f"op{i}" for i in range(n)], sizes, costs, last, always,
                              op_held=held, op_weights=sent)
@@ -142,6 +143,27 @@ def test_least_peak_and_every_budget_match_brute_force(problem):
     for budget in range(least, problem.baseline_bytes + 1):
         fits = min(c.recompute for c in every if c.peak_bytes <= budget)
         assert solvers.least_recompute(problem, budget).cost.recompute == fits
+
+
+@hypothesis.settings(max_examples=25, deadline=None)
+@hypothesis.given(problem=problems(max_ops=11, weights=True, scale=1000, weight_scale=20000),
+                  share=st.floats(0, 1))
+def test_budgets_in_quanta_fit_when_weight_gradients_outweigh_the_room(problem, share):
+    """Kept bytes in quanta of more than a byte, and weight gradients many times the
+    room (running kept totals far below zero, past the NEGATIVE_QUANTA floor): the
+    plan found fits its budget, and the search in 1-byte quanta is brute force's."""
+    every = [cuts.evaluate(problem, chosen)
+             for k in range(len(problem.cuts) + 1)
+             for chosen in itertools.combinations(problem.cuts, k)]
+    least = min(c.peak_bytes for c in every)
+    assert solvers.least_peak(problem).cost.peak_bytes == least
+    budget = least + share * (problem.baseline_bytes - least)
+    found = solvers.least_recompute(problem, budget)
+    if found is not None:
+        assert found.cost == cuts.evaluate(problem, found.cuts)
+        assert found.cost.peak_bytes <= budget
+    exact = solvers.least_recompute(problem, budget, quanta=2**40)
+    assert exact.cost.recompute == min(c.recompute for c in every if c.peak_bytes <= budget)
 
 
 @hypothesis.settings(max_examples=40, deadline=None)
