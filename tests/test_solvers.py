@@ -129,12 +129,17 @@ def test_budgeted_recompute_matches_the_milp_optimum(problem, share):
     assert found.cost.recompute <= optimum * 1.01 + 1e-6
 
 
+def _every_plan(problem):
+    """The cut-model cost of every subset of the candidate cuts (brute force)."""
+    return [cuts.evaluate(problem, chosen)
+            for k in range(len(problem.cuts) + 1)
+            for chosen in itertools.combinations(problem.cuts, k)]
+
+
 @hypothesis.settings(max_examples=40, deadline=None)
 @hypothesis.given(problem=problems(max_ops=11, weights=True))
 def test_least_peak_and_every_budget_match_brute_force(problem):
-    every = [cuts.evaluate(problem, chosen)
-             for k in range(len(problem.cuts) + 1)
-             for chosen in itertools.combinations(problem.cuts, k)]
+    every = _every_plan(problem)
     least = min(c.peak_bytes for c in every)
     found = solvers.least_peak(problem).cost
     assert found.peak_bytes == least
@@ -152,9 +157,7 @@ def test_budgets_in_quanta_fit_when_weight_gradients_outweigh_the_room(problem, 
     """Kept bytes in quanta of more than a byte, and weight gradients many times the
     room (running kept totals far below zero, past the NEGATIVE_QUANTA floor): the
     plan found fits its budget, and the search in 1-byte quanta is brute force's."""
-    every = [cuts.evaluate(problem, chosen)
-             for k in range(len(problem.cuts) + 1)
-             for chosen in itertools.combinations(problem.cuts, k)]
+    every = _every_plan(problem)
     least = min(c.peak_bytes for c in every)
     assert solvers.least_peak(problem).cost.peak_bytes == least
     budget = least + share * (problem.baseline_bytes - least)
