@@ -34,6 +34,16 @@ longer than those near the end, which are differentiated while every earlier
 checkpoint is still held: on a chain of n equal ops the best plan shrinks its
 intervals by one op per cut, about sqrt(2n) tensors at the peak, not 2 sqrt(n).
 
+Some cuts are in every plan (`CutProblem.forced`): after each recomputable
+op with a pinned output (the activation input of a stateful op, a random op,
+a control-flow op or a nested call that cannot be rerun). The plan keeps that
+output, and its level recomputes it from the checkpoints before it whatever
+else is kept, so the op closes an interval of every plan: a model with such
+tensors is split into intervals before any choice is made, and the solvers
+choose only the cuts between them. Left out, every plan with fewer cuts than
+the forced ones was priced as recomputing nothing before them (the "no cut"
+plan as free), and budgets returned the least-peak plan however large.
+
 Every graph has such cuts, with or without single-tensor bottlenecks. Both
 terms decompose over consecutive cuts (the peak as a running sum under a
 max), which is what lets `solvers` search the plans exactly. `evaluate` is the definition; the solvers must agree with it.
@@ -63,6 +73,7 @@ class CutProblem:
       cuts: candidate cut positions, ascending; a cut at p lies after op p.
       op_weights: bytes each op's gradient sends to weights (alive from then
         to the end of the step).
+      forced: cut positions every plan has, ascending (also among `cuts`).
     """
     ops: tuple
     op_bytes: np.ndarray
@@ -72,6 +83,7 @@ class CutProblem:
     cuts: np.ndarray
     op_held: np.ndarray
     op_weights: np.ndarray
+    forced: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))
 
     @property
     def fixed_bytes(self) -> int:
@@ -80,7 +92,8 @@ class CutProblem:
 
     @property
     def baseline_bytes(self) -> int:
-        """Peak with no cut: what backprop holds of every activation, as with tf.gradients."""
+        """Peak with no cut: what backprop holds of every activation, as with
+        tf.gradients (not a plan of the model when some cuts are forced)."""
         return self.fixed_bytes + int(self.op_held[~self.always_kept].sum())
 
 
@@ -113,7 +126,7 @@ def from_model(model: GraphModel, max_cuts=None, cut_after=None) -> CutProblem:
         last_use[i] = max([last_use[i], *readers, end if name in ys else 0])
         always[i] |= name in pinned or name in ys
     problem = make_problem(ops, op_bytes, op_cost, last_use, always, max_cuts, op_held,
-                           op_weights)
+                           op_weights, forced_cuts(model, position))
     if cut_after is None:
         return problem
     wanted = [i for i, op in enumerate(ops[:-1])
@@ -121,12 +134,21 @@ def from_model(model: GraphModel, max_cuts=None, cut_after=None) -> CutProblem:
     return dataclasses.replace(problem, cuts=np.union1d(problem.cuts, wanted).astype(np.int64))
 
 
+def forced_cuts(model: GraphModel, position) -> list:
+    """Positions of the recomputable ops with a pinned output (`position`: op -> its
+    position): the plan recomputes each from the checkpoints before it, as if cut there."""
+    last = len(position) - 1  # no cut after the last op
+    return sorted({position[model.op_of(n)] for n in model.pinned
+                   if model.tensors[n].recomputable and position[model.op_of(n)] < last})
+
+
 def make_problem(ops, op_bytes, op_cost, last_use, always_kept, max_cuts=None,
-                 op_held=None, op_weights=None) -> CutProblem:
+                 op_held=None, op_weights=None, forced=()) -> CutProblem:
     """A CutProblem from plain sequences; candidate cuts as in `from_model`.
 
     `op_held` defaults to `op_bytes` (every output read by a gradient),
-    `op_weights` to zeros (no weight gradients)."""
+    `op_weights` to zeros (no weight gradients); `forced`: cut positions every
+    plan has (none by default), added to the candidates."""
     op_bytes = np.asarray(op_bytes, np.int64)
     op_weights = np.zeros(len(ops), np.int64) if op_weights is None else np.asarray(
         op_weights, np.int64)
@@ -136,8 +158,10 @@ def make_problem(ops, op_bytes, op_cost, last_use, always_kept, max_cuts=None,
     positions = np.arange(max(len(ops) - 1, 0))
     if max_cuts is not None and len(positions) > max_cuts:
         positions = _cheapest_cuts(op_bytes, last_use, always_kept, max_cuts)
+    forced = np.unique(np.asarray(forced, np.int64))
     return CutProblem(tuple(ops), op_bytes, np.asarray(op_cost, np.float64), last_use,
-                      always_kept, positions, op_held, op_weights)
+                      always_kept, np.union1d(positions, forced).astype(np.int64), op_held,
+                      op_weights, forced)
 
 
 def live_bytes(op_bytes, last_use, always_kept):
@@ -171,9 +195,10 @@ class Cost:
 def evaluate(problem: CutProblem, cuts) -> Cost:
     """The cut model's peak and recompute for `cuts` (positions), by definition.
 
-    Direct and O(n log n): the reference the solvers are tested against.
+    The problem's forced cuts are added to `cuts`. Direct and O(n log n): the
+    reference the solvers are tested against.
     """
-    cuts = np.unique(np.asarray(cuts, np.int64))
+    cuts = np.union1d(np.asarray(cuts, np.int64), problem.forced).astype(np.int64)
     end = len(problem.ops)
     pos = np.arange(end)
     free = ~problem.always_kept

@@ -62,7 +62,13 @@ class _Pairs:
         # beside its recomputed bytes they are not yet counted as made.
         self.S = self.S + (weights[None, :] - weights[:, None])
         self.C, _ = self.internal(problem.op_cost)
-        self.tail = held[-1] - held[:-1]
+        # Forced cuts (`cuts.CutProblem.forced`) a plan may not pass over: an
+        # interval (i, j] holds none strictly inside, a tail none after cut i.
+        forced = problem.forced
+        self.skips = (np.searchsorted(forced, self.at, "left")[None, :]
+                      - np.searchsorted(forced, self.at, "right")[:, None]) > 0
+        self.tail = np.where(np.searchsorted(forced, self.at, "right") < len(forced),
+                             np.inf, held[-1] - held[:-1])
         self.fixed = problem.fixed_bytes
         self.weights = weights[-1]  # up to the last cut
 
@@ -82,9 +88,10 @@ class _Pairs:
 
 
 def _allowed(pairs, forbidden):
-    """Intervals a plan may use: i < j, and recomputing none of the `forbidden` ops."""
+    """Intervals a plan may use: i < j, passing over no forced cut, and
+    recomputing none of the `forbidden` ops."""
     m = len(pairs.at)
-    ok = np.triu(np.ones((m, m), bool), 1)
+    ok = np.triu(np.ones((m, m), bool), 1) & ~pairs.skips
     return ok if forbidden is None else ok & (pairs.internal(forbidden)[0] <= 0)
 
 
