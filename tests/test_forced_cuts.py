@@ -56,7 +56,7 @@ def test_every_plan_of_the_cut_model_has_the_forced_cuts():
     assert set(problem.forced) <= set(solvers.least_peak(problem).cuts)
 
 
-@pytest.mark.parametrize("share", [0.5, 0.7])
+@pytest.mark.parametrize("share", [0.5, 0.7, 0.9])
 def test_a_budget_above_the_least_peak_recomputes_less_than_memory(share):
     """Before the forced cuts, a budget of half of tf.gradients' memory and more
     returned the plan keeping only the pinned tensors (3,900-4,000 FLOPs
