@@ -25,7 +25,7 @@ from test_selection import residual_model
 def problems(draw, max_ops=60, weights=False):
     """Random DAGs in topological order: each op reads 1-2 recent ops, sometimes a far one;
     with `weights`, in about half the problems, ops' gradients also send bytes to weights;
-    in about half, some cuts are forced (after ops with pinned outputs: `cuts`)."""
+    in about half, some ops are rerun even in the tail (pinned tensors are rebuilt from them)."""
     n = draw(st.integers(2, max_ops))
     last = list(range(n))
     for i in range(1, n):
@@ -42,10 +42,10 @@ def problems(draw, max_ops=60, weights=False):
     held = [draw(st.integers(0, size)) for size in sizes]  # what gradients read
     sent = (draw(st.lists(st.integers(0, 3), min_size=n, max_size=n))
             if weights and draw(st.booleans()) else None)
-    forced = (draw(st.lists(st.integers(0, n - 2), max_size=3))
-              if n > 1 and draw(st.booleans()) else [])
+    rerun = (draw(st.lists(st.booleans(), min_size=n, max_size=n))
+             if draw(st.booleans()) else None)
     return cuts.make_problem([f"op{i}" for i in range(n)], sizes, costs, last, always,
-                             op_held=held, op_weights=sent, forced=forced)
+                             op_held=held, op_weights=sent, op_rerun=rerun)
 
 
 def _interval(problem, a, b):
@@ -71,17 +71,15 @@ def milp_least_recompute(problem, budget):
     e[a, b] = 1 when (a, b] is an interval, t[a] = 1 when a is the last cut.
     A second flow carries the bytes held: y[a, b] what is held entering
     (a, b], z[a] entering the tail; each chosen interval (or the tail) fits
-    with what it enters holding, and an unchosen one carries nothing. No
-    interval holds a forced cut inside, no tail follows a cut before one.
+    with what it enters holding, and an unchosen one carries nothing. A tail
+    costs the recompute of its ops that are rerun (`op_rerun`).
     """
     from scipy import optimize, sparse  # lazy: a test-only dependency
 
     n = len(problem.ops)
     room = budget - problem.fixed_bytes
     starts = list(range(-1, n - 1))
-    forced = list(problem.forced)
-    edges = [(a, b) for a in starts for b in range(a + 1, n - 1)
-             if not any(a < f < b for f in forced)]
+    edges = [(a, b) for a in starts for b in range(a + 1, n - 1)]
     values = [_interval(problem, a, b) for a, b in edges]
     tails = [_interval(problem, a, n - 1)[1] for a in starts]
     t_col, y_col = len(edges), len(edges) + len(starts)
@@ -104,13 +102,13 @@ def milp_least_recompute(problem, budget):
         row([(y_col + col, 1), (col, kept + size - room)], -np.inf, 0)
     for p, size in zip(starts, tails):
         row([(z_col + p + 1, 1), (t_col + p + 1, size - room)], -np.inf, 0)
-        if any(f > p for f in forced):
-            row([(t_col + p + 1, 1)], 0, 0)
     rows, cols, vals = zip(*entries)
     columns = z_col + len(starts)
     matrix = sparse.csr_matrix((vals, (rows, cols)), shape=(len(bounds), columns))
     objective = np.zeros(columns)
     objective[:len(edges)] = [cost for _, _, cost in values]
+    rerun = np.where(problem.op_rerun, problem.op_cost, 0)
+    objective[t_col:y_col] = [rerun[p + 1:].sum() for p in starts]
     integrality = np.zeros(columns)
     integrality[:y_col] = 1
     low, high = zip(*bounds)

@@ -62,13 +62,10 @@ class _Pairs:
         # beside its recomputed bytes they are not yet counted as made.
         self.S = self.S + (weights[None, :] - weights[:, None])
         self.C, _ = self.internal(problem.op_cost)
-        # Forced cuts (`cuts.CutProblem.forced`) a plan may not pass over: an
-        # interval (i, j] holds none strictly inside, a tail none after cut i.
-        forced = problem.forced
-        self.skips = (np.searchsorted(forced, self.at, "left")[None, :]
-                      - np.searchsorted(forced, self.at, "right")[:, None]) > 0
-        self.tail = np.where(np.searchsorted(forced, self.at, "right") < len(forced),
-                             np.inf, held[-1] - held[:-1])
+        self.tail = held[-1] - held[:-1]
+        # The tail after cut i recomputes its ops that pinned tensors are rebuilt from.
+        rerun = np.concatenate([[0], np.cumsum(np.where(problem.op_rerun, problem.op_cost, 0))])
+        self.tail_cost = rerun[-1] - rerun[self.at + 1]
         self.fixed = problem.fixed_bytes
         self.weights = weights[-1]  # up to the last cut
 
@@ -88,10 +85,9 @@ class _Pairs:
 
 
 def _allowed(pairs, forbidden):
-    """Intervals a plan may use: i < j, passing over no forced cut, and
-    recomputing none of the `forbidden` ops."""
+    """Intervals a plan may use: i < j, and recomputing none of the `forbidden` ops."""
     m = len(pairs.at)
-    ok = np.triu(np.ones((m, m), bool), 1) & ~pairs.skips
+    ok = np.triu(np.ones((m, m), bool), 1)
     return ok if forbidden is None else ok & (pairs.internal(forbidden)[0] <= 0)
 
 
@@ -165,7 +161,8 @@ def least_recompute(problem, budget: float, quanta: int = MAX_QUANTA, forbidden=
                                        np.minimum(top, steps).astype(np.int64),
                                        max(steps, 0), low)
     kept = np.arange(-low, max(steps, 0) + 1)[None, :] * quantum
-    score = np.where(kept + pairs.tail[:, None] <= room, best, np.inf)
+    score = np.where(kept + pairs.tail[:, None] <= room, best + pairs.tail_cost[:, None],
+                     np.inf)
     if not np.isfinite(score).any():
         return None
     end, at = min(zip(*np.nonzero(score == score.min())), key=lambda found: found[1])

@@ -1,12 +1,13 @@
-"""Pinned tensors split every plan: the cut model's forced cuts. No TensorFlow graphs.
+"""Pinned tensors are rebuilt whatever the plan: the cut model's `op_rerun`. No TF graphs.
 
 A recomputable op whose output is pinned (the activation input of a stateful
 op, a random op, control flow or a nested call that cannot be rerun) is kept,
 and its level recomputes it from the checkpoints before it whatever else is
-kept: the plan is cut there whatever the strategy chooses. The cut model must
-know it, or it prices the plans with fewer cuts as recomputing nothing and
-budgets return the least-peak plan however large they are (ConvNeXtTiny's 18
-nested depthwise-convolution calls: every budget gave the 'memory' plan).
+kept: the ops it is rebuilt from are recomputed even in the tail. The cut
+model must know it, or it prices the plans with few cuts as recomputing
+nothing and budgets return the least-peak plan however large they are
+(ConvNeXtTiny's 18 nested depthwise-convolution calls: every budget gave the
+'memory' plan).
 """
 
 import dataclasses
@@ -36,24 +37,17 @@ def chain_with_stateful_ops(n=60):
     return dataclasses.replace(model, grad_reads={names[0]: (), **reads}), names
 
 
-def test_the_inputs_of_ops_that_cannot_be_rerun_are_forced_cuts():
+def test_what_pinned_tensors_are_rebuilt_from_is_recomputed_even_in_the_tail():
     model, _ = chain_with_stateful_ops()
     problem = cuts.from_model(model)
-    assert list(problem.forced) == [k - 1 for k in STATEFUL_AT]
-    assert set(problem.forced) <= set(problem.cuts)
-    windowed = cuts.from_model(model, max_cuts=4)
-    assert set(windowed.forced) <= set(windowed.cuts)
-
-
-def test_every_plan_of_the_cut_model_has_the_forced_cuts():
-    model, _ = chain_with_stateful_ops()
-    problem = cuts.from_model(model)
+    # t000..t013 rebuild t014, t016..t028 rebuild t029, t031..t043 rebuild t044.
+    rerun = [i for i in range(60) if i < 14 or 15 < i < 29 or 30 < i < 44]
+    assert list(np.flatnonzero(problem.op_rerun)) == rerun
     no_cut = cuts.evaluate(problem, [])
-    assert no_cut == cuts.evaluate(problem, problem.forced)
-    assert no_cut.recompute > 0  # the intervals before the forced cuts are recomputed
-    found = solvers.least_recompute(problem, 10**9)
-    assert set(problem.forced) <= set(found.cuts)
-    assert set(problem.forced) <= set(solvers.least_peak(problem).cuts)
+    assert no_cut.recompute == float(problem.op_cost[rerun].sum())
+    after_last = cuts.evaluate(problem, [50])  # t050 kept; the tail t051.. is not rerun
+    free = ~problem.always_kept[:50]
+    assert after_last.recompute == float(problem.op_cost[:50][free].sum())
 
 
 @pytest.mark.parametrize("share", [0.5, 0.7, 0.9])
@@ -83,11 +77,12 @@ def test_budgets_recompute_less_as_they_grow_with_pinned_tensors():
     assert recomputes[-1] < recomputes[0] / 4
 
 
-def test_a_forced_cut_is_never_passed_over():
-    """A problem built from arrays: the only plans are those through cut 3."""
+def test_a_budget_prices_the_tails_rerun_ops():
+    """A problem built from arrays: ops 0-3 are rerun even in the tail, so
+    with room for everything the no-cut plan (free before) is not the cheapest."""
     problem = cuts.make_problem([f"op{i}" for i in range(8)], [1] * 8, [1] * 8,
-                                list(range(1, 8)) + [8], [False] * 8, forced=[3])
-    for budget in range(solvers.least_peak(problem).cost.peak_bytes, 20):
-        found = solvers.least_recompute(problem, budget)
-        assert 3 in found.cuts and found.cost == cuts.evaluate(problem, found.cuts)
-    assert np.array_equal(problem.forced, [3])
+                                list(range(1, 8)) + [8], [False] * 8,
+                                op_rerun=[True] * 4 + [False] * 4)
+    assert cuts.evaluate(problem, []).recompute == 4
+    found = solvers.least_recompute(problem, 100)
+    assert found.cost.recompute == 0 and found.cost == cuts.evaluate(problem, found.cuts)
