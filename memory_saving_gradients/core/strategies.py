@@ -138,10 +138,10 @@ def least_peak(model: GraphModel, problem=None) -> Result:
 def fitting_plan(model: GraphModel, problem, max_bytes, name) -> Optional[Result]:
     """The cut model's least-recompute plan whose predicted peak is at most
     `max_bytes`, or None. The simulator sees more than the cut model: when a
-    plan overshoots, the next cut-model budget is `max_bytes` less the excess of
-    the simulator's peak over the cut model's on that plan (lowering the
-    budget by the overshoot alone often found the same plan again: the cut
-    model's peak of a plan is often well under the budget that found it)."""
+    plan overshoots, the cut model's budget is lowered by the overshoot; when
+    that would find the same plan again (its cut-model peak is often well
+    under the budget that found it), to `max_bytes` less the excess of the
+    simulator's peak over the cut model's on that plan."""
     target = max_bytes
     for _ in range(FIT_RETRIES):
         found = solvers.least_recompute(problem, target)
@@ -150,7 +150,9 @@ def fitting_plan(model: GraphModel, problem, max_bytes, name) -> Optional[Result
         tried = result_of(model, tensors_of(model, found.cost.kept_ops), name)
         if tried.peak_bytes <= max_bytes:
             return tried
-        target = max_bytes - (tried.peak_bytes - found.cost.peak_bytes)
+        target -= tried.peak_bytes - max_bytes
+        if target >= found.cost.peak_bytes:
+            target = max_bytes - (tried.peak_bytes - found.cost.peak_bytes)
     return None
 
 
