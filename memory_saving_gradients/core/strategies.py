@@ -88,7 +88,9 @@ def _priced(model, names):
         if len(seen) >= MAX_PRICED:
             seen.clear()
         plan = planning.make_plan(model, names, "")
-        seen[names] = plan, pricing.predict(model, plan)
+        # Sets differing only in tensors kept anyway (pinned, split) make one plan.
+        same = [e for p, e in seen.values() if p.kept == plan.kept]
+        seen[names] = plan, same[0] if same else pricing.predict(model, plan)
     return seen[names]
 
 
