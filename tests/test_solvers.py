@@ -24,7 +24,8 @@ from test_selection import residual_model
 @st.composite
 def problems(draw, max_ops=60, weights=False, scale=1, weight_scale=1):
     """Random DAGs in topological order: each op reads 1-2 recent ops, sometimes a far one;
-    with `weights`, in about half the problems, ops' gradients also send bytes to weights.
+    with `weights`, in about half the problems, ops' gradients also send bytes to weights;
+    in about half, some ops are rerun even in the tail (pinned tensors are rebuilt from them).
     Sizes are 1-4 times `scale` bytes, weight gradients 0-3 times `weight_scale`."""
     n = draw(st.integers(2, max_ops))
     last = list(range(n))
@@ -42,8 +43,10 @@ def problems(draw, max_ops=60, weights=False, scale=1, weight_scale=1):
     held = [draw(st.integers(0, size)) for size in sizes]  # what gradients read
     sent = ([weight_scale * w for w in draw(st.lists(st.integers(0, 3), min_size=n, max_size=n))]
             if weights and draw(st.booleans()) else None)
+    rerun = (draw(st.lists(st.booleans(), min_size=n, max_size=n))
+             if draw(st.booleans()) else None)
     return cuts.make_problem([f"op{i}" for i in range(n)], sizes, costs, last, always,
-                             op_held=held, op_weights=sent)
+                             op_held=held, op_weights=sent, op_rerun=rerun)
 
 
 def _interval(problem, a, b):
@@ -69,7 +72,8 @@ def milp_least_recompute(problem, budget):
     e[a, b] = 1 when (a, b] is an interval, t[a] = 1 when a is the last cut.
     A second flow carries the bytes held: y[a, b] what is held entering
     (a, b], z[a] entering the tail; each chosen interval (or the tail) fits
-    with what it enters holding, and an unchosen one carries nothing.
+    with what it enters holding, and an unchosen one carries nothing. A tail
+    costs the recompute of its ops that are rerun (`op_rerun`).
     """
     from scipy import optimize, sparse  # lazy: a test-only dependency
 
@@ -104,6 +108,8 @@ def milp_least_recompute(problem, budget):
     matrix = sparse.csr_matrix((vals, (rows, cols)), shape=(len(bounds), columns))
     objective = np.zeros(columns)
     objective[:len(edges)] = [cost for _, _, cost in values]
+    rerun = np.where(problem.op_rerun, problem.op_cost, 0)
+    objective[t_col:y_col] = [rerun[p + 1:].sum() for p in starts]
     integrality = np.zeros(columns)
     integrality[:y_col] = 1
     low, high = zip(*bounds)

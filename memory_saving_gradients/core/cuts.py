@@ -21,6 +21,7 @@ the bytes always kept (pinned: stateful or control flow; and the ys):
 
     peak(P)      = fixed + max over j of (K_0 - W_0 + ... + K_j - W_j + S_j)
     recompute(P) = cost of the ops recomputed, summed over the intervals
+                   (and the tail's ops that pinned tensors are rebuilt from, below)
 
 (K_k = W_k = 0: nothing is kept across the tail, and its weight gradients
 are made while it is differentiated.) The peak is, like the timeline's, the
@@ -33,6 +34,17 @@ beside nearly all). Intervals near the start may be
 longer than those near the end, which are differentiated while every earlier
 checkpoint is still held: on a chain of n equal ops the best plan shrinks its
 intervals by one op per cut, about sqrt(2n) tensors at the peak, not 2 sqrt(n).
+
+Pinned tensors that are recomputable (the activation inputs of a stateful
+op, a random op, control flow or a nested call that cannot be rerun) are
+kept, and each one's level rebuilds it from the checkpoints before it
+whatever else is kept: their ancestors (`CutProblem.op_rerun`) are
+recomputed even when a plan leaves them in the tail, where a plain tail's
+ops are not. Counted as free, a plan with few cuts looked as if it
+recomputed nothing, and budgets returned the least-peak plan however large
+(ConvNeXtTiny's 18 nested depthwise-convolution calls). Their held bytes
+stay counted in the tail (the forward pass holds them until those levels
+have passed): an overestimate.
 
 Every graph has such cuts, with or without single-tensor bottlenecks. Both
 terms decompose over consecutive cuts (the peak as a running sum under a
@@ -63,6 +75,8 @@ class CutProblem:
       cuts: candidate cut positions, ascending; a cut at p lies after op p.
       op_weights: bytes each op's gradient sends to weights (alive from then
         to the end of the step).
+      op_rerun: ops recomputed even in the tail: the ancestors of recomputable
+        pinned tensors (up to the next pinned ones), which their levels rebuild.
     """
     ops: tuple
     op_bytes: np.ndarray
@@ -72,6 +86,7 @@ class CutProblem:
     cuts: np.ndarray
     op_held: np.ndarray
     op_weights: np.ndarray
+    op_rerun: np.ndarray
 
     @property
     def fixed_bytes(self) -> int:
@@ -112,8 +127,9 @@ def from_model(model: GraphModel, max_cuts=None, cut_after=None) -> CutProblem:
         readers = [position[tensors[s].op] for s in model.graph.successors(name)]
         last_use[i] = max([last_use[i], *readers, end if name in ys else 0])
         always[i] |= name in pinned or name in ys
+    rerun = [position[tensors[t].op] for t in rerun_by_pinned(model)]
     problem = make_problem(ops, op_bytes, op_cost, last_use, always, max_cuts, op_held,
-                           op_weights)
+                           op_weights, np.isin(np.arange(end), rerun))
     if cut_after is None:
         return problem
     wanted = [i for i, op in enumerate(ops[:-1])
@@ -121,12 +137,26 @@ def from_model(model: GraphModel, max_cuts=None, cut_after=None) -> CutProblem:
     return dataclasses.replace(problem, cuts=np.union1d(problem.cuts, wanted).astype(np.int64))
 
 
+def rerun_by_pinned(model: GraphModel) -> set:
+    """Activations a plan recomputes whatever it keeps: those a recomputable pinned
+    tensor is rebuilt from, back to the nearest pinned ones (`planning.segment`). O(n)."""
+    pinned, tensors, graph = model.pinned, model.tensors, model.graph
+    found = set()
+    stack = [t for t in pinned if tensors[t].recomputable]
+    while stack:
+        for p in graph.predecessors(stack.pop()):
+            if p not in pinned and p not in found:
+                found.add(p)
+                stack.append(p)
+    return found
+
+
 def make_problem(ops, op_bytes, op_cost, last_use, always_kept, max_cuts=None,
-                 op_held=None, op_weights=None) -> CutProblem:
+                 op_held=None, op_weights=None, op_rerun=None) -> CutProblem:
     """A CutProblem from plain sequences; candidate cuts as in `from_model`.
 
     `op_held` defaults to `op_bytes` (every output read by a gradient),
-    `op_weights` to zeros (no weight gradients)."""
+    `op_weights` to zeros (no weight gradients), `op_rerun` to none."""
     op_bytes = np.asarray(op_bytes, np.int64)
     op_weights = np.zeros(len(ops), np.int64) if op_weights is None else np.asarray(
         op_weights, np.int64)
@@ -136,8 +166,9 @@ def make_problem(ops, op_bytes, op_cost, last_use, always_kept, max_cuts=None,
     positions = np.arange(max(len(ops) - 1, 0))
     if max_cuts is not None and len(positions) > max_cuts:
         positions = _cheapest_cuts(op_bytes, last_use, always_kept, max_cuts)
+    op_rerun = np.zeros(len(ops), bool) if op_rerun is None else np.asarray(op_rerun, bool)
     return CutProblem(tuple(ops), op_bytes, np.asarray(op_cost, np.float64), last_use,
-                      always_kept, positions, op_held, op_weights)
+                      always_kept, positions, op_held, op_weights, op_rerun & ~always_kept)
 
 
 def live_bytes(op_bytes, last_use, always_kept):
@@ -194,5 +225,6 @@ def evaluate(problem: CutProblem, cuts) -> Cost:
                            minlength=per_interval) + weights
     segments[-1] = problem.op_held[tail].sum()
     peak = problem.fixed_bytes + int((held + segments).max())
+    recomputed |= tail & problem.op_rerun
     return Cost(kept_ops=frozenset(problem.ops[i] for i in np.flatnonzero(kept)),
                 peak_bytes=peak, recompute=float(problem.op_cost[recomputed].sum()))

@@ -63,6 +63,9 @@ class _Pairs:
         self.S = self.S + (weights[None, :] - weights[:, None])
         self.C, _ = self.internal(problem.op_cost)
         self.tail = held[-1] - held[:-1]
+        # The tail after cut i recomputes its ops that pinned tensors are rebuilt from.
+        rerun = np.concatenate([[0], np.cumsum(np.where(problem.op_rerun, problem.op_cost, 0))])
+        self.tail_cost = rerun[-1] - rerun[self.at + 1]
         self.fixed = problem.fixed_bytes
         self.weights = weights[-1]  # up to the last cut
 
@@ -158,7 +161,8 @@ def least_recompute(problem, budget: float, quanta: int = MAX_QUANTA, forbidden=
                                        np.minimum(top, steps).astype(np.int64),
                                        max(steps, 0), low)
     kept = np.arange(-low, max(steps, 0) + 1)[None, :] * quantum
-    score = np.where(kept + pairs.tail[:, None] <= room, best, np.inf)
+    score = np.where(kept + pairs.tail[:, None] <= room, best + pairs.tail_cost[:, None],
+                     np.inf)
     if not np.isfinite(score).any():
         return None
     end, at = min(zip(*np.nonzero(score == score.min())), key=lambda found: found[1])

@@ -88,7 +88,9 @@ def _priced(model, names):
         if len(seen) >= MAX_PRICED:
             seen.clear()
         plan = planning.make_plan(model, names, "")
-        seen[names] = plan, pricing.predict(model, plan)
+        # Sets differing only in tensors kept anyway (pinned, split) make one plan.
+        same = [e for p, e in seen.values() if p.kept == plan.kept]
+        seen[names] = plan, same[0] if same else pricing.predict(model, plan)
     return seen[names]
 
 
@@ -138,7 +140,10 @@ def least_peak(model: GraphModel, problem=None) -> Result:
 def fitting_plan(model: GraphModel, problem, max_bytes, name) -> Optional[Result]:
     """The cut model's least-recompute plan whose predicted peak is at most
     `max_bytes`, or None. The simulator sees more than the cut model: when a
-    plan overshoots, the cut model's budget is lowered by the overshoot."""
+    plan overshoots, the cut model's budget is lowered by the overshoot; when
+    that would find the same plan again (its cut-model peak is often well
+    under the budget that found it), to `max_bytes` less the excess of the
+    simulator's peak over the cut model's on that plan."""
     target = max_bytes
     for _ in range(FIT_RETRIES):
         found = solvers.least_recompute(problem, target)
@@ -148,6 +153,8 @@ def fitting_plan(model: GraphModel, problem, max_bytes, name) -> Optional[Result
         if tried.peak_bytes <= max_bytes:
             return tried
         target -= tried.peak_bytes - max_bytes
+        if target >= found.cost.peak_bytes:
+            target = max_bytes - (tried.peak_bytes - found.cost.peak_bytes)
     return None
 
 
