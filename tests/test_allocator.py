@@ -122,3 +122,11 @@ def test_the_estimate_of_a_chain_counts_whole_chunks():
     # (leaving 1696 KiB), the gradient into t1 takes those 1696 KiB whole and
     # the gradient into t0 splits the 8 MiB region.
     assert estimate.allocator_baseline_bytes == (2048 + 1200 + 1200 + 1696 + 1200) * KIB
+
+
+def test_buffers_held_before_the_step_push_it_into_larger_regions():
+    events = [("alloc", "x", 1536 * KIB)]
+    # Alone, 1.5 MiB gets the first region, 2 MiB, whole (2 < 2 x 1.5).
+    assert allocator.peak_chunk_bytes(events) == 2 * MIB
+    # A variable of 2 MiB fills that region first: 1.5 MiB splits the 4 MiB one.
+    assert allocator.peak_chunk_bytes(events, held_before=[2 * MIB]) == 1536 * KIB

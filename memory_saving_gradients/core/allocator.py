@@ -171,17 +171,23 @@ def lifetime_events(born, last_use, transient):
     return [item[3] for item in timed]
 
 
-def peak_chunk_bytes(events, warm_up: bool = True) -> int:
-    """Peak of chunk bytes in use over `events`, ("alloc", key, size) / ("free", key).
+def peak_chunk_bytes(events, held_before=(), warm_up: bool = True) -> int:
+    """Peak of chunk bytes in use over `events`, ("alloc", key, size) / ("free", key),
+    above the bytes in use when the measured replay starts.
 
-    `warm_up`: replay the events once first and measure the second replay (its
-    peak above what is in use when it starts), as benchmarks measure a traced
-    step after warm-up calls: the regions the first call grew are there, and a
-    big free region handed out whole to a request of more than half its size
-    is part of what the allocator counts. Keys still held at the end of a
-    replay are freed (the caller drops the step's outputs).
+    held_before: sizes of buffers allocated before the step and held through
+    it (a model's variables): they take the first regions, so the step's
+    allocations start in the larger regions the allocator grows next.
+    warm_up: replay the events once first and measure the second replay, as
+    benchmarks measure a traced step after warm-up calls: the regions the
+    first call grew are there, and a free chunk handed out whole to a request
+    of more than half its size is part of what the allocator counts. Keys
+    still held at the end of a replay are freed (the caller drops the step's
+    outputs).
     """
     allocator = BestFitAllocator()
+    for number, size in enumerate(held_before):
+        allocator.allocate(("held before", number), size)
     for _ in range(2 if warm_up else 1):
         allocator.reset_peak()
         start = allocator.in_use_bytes

@@ -120,7 +120,10 @@ def with_allocator_peaks(model: GraphModel, plan: Optional[Plan],
 def _allocator_peak(replay, levels):
     replay.run(levels)
     events = allocator.lifetime_events(replay.born, replay.last_use, replay.transient)
-    return allocator.peak_chunk_bytes(events) - replay._weight_grad_bytes()  # pylint: disable=protected-access
+    # The variables (each the size of its gradient) were allocated before the step.
+    variables = replay.model.weight_grad_bytes.values()
+    return (allocator.peak_chunk_bytes(events, held_before=variables)
+            - replay._weight_grad_bytes())  # pylint: disable=protected-access
 
 
 def _forward_flops(model):
