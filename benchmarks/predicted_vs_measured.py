@@ -10,7 +10,9 @@ step (forward and gradients in one tf.function, batch 8 for the image
 models), takes the prediction of `checkpoint_plan` from the same trace, and
 measures the step's allocator peak (`function_peak_bytes`: statistics reset
 before each call; median of 3 calls after 2 warm-ups) minus the weight
-gradients it returns: activation memory, as predicted. Step times are
+gradients it returns: activation memory, as predicted (`predicted`: bytes
+requested; `predicted_allocator`: the chunks TensorFlow's BFC allocator hands
+out, `core/allocator.py`). Step times are
 medians of calls made in turn across the methods, after the peaks.
 With `--threads 1` the subprocess runs TensorFlow with one inter-op thread;
 with `--jit` the step is compiled by XLA (`jit_compile=True`).
