@@ -47,8 +47,8 @@ class _Chunk:
     next: "_Chunk | None" = None
 
     def sort_key(self):
-        """Order of the free list: size, then address (region, offset)."""
-        return (self.size, self.region, self.offset, id(self))
+        """Order of the free list: size, then address (unique among free chunks)."""
+        return (self.size, self.region, self.offset)
 
 
 class BestFitAllocator:
@@ -101,6 +101,8 @@ class BestFitAllocator:
         self.peak_bytes = self.in_use_bytes
 
     def _best_fit(self, need):
+        # BFC searches size-class bins upwards, each sorted by (size, address):
+        # the first fit there is the first fit of one list sorted the same way.
         at = bisect.bisect_left(self._free, (need,))
         return self._chunk_of_key[self._free[at]] if at < len(self._free) else None
 
