@@ -10,7 +10,9 @@ step (forward and gradients in one tf.function, batch 8 for the image
 models), takes the prediction of `checkpoint_plan` from the same trace, and
 measures the step's allocator peak (`function_peak_bytes`: statistics reset
 before each call; median of 3 calls after 2 warm-ups) minus the weight
-gradients it returns: activation memory, as predicted. Step times are
+gradients it returns: activation memory, as predicted (`predicted`: bytes
+requested; `predicted_allocator`: the chunks TensorFlow's BFC allocator hands
+out, `core/allocator.py`). Step times are
 medians of calls made in turn across the methods, after the peaks.
 With `--threads 1` the subprocess runs TensorFlow with one inter-op thread;
 with `--jit` the step is compiled by XLA (`jit_compile=True`).
@@ -205,9 +207,12 @@ def _measure_peak(method, traced, inputs, labels):
     peaks = [msg.function_peak_bytes(step, inputs, labels)[0] for _ in range(3)]
     weights = loss_and_weights_bytes(traced["plan"])
     est = traced["plan"].estimate
-    predicted = est.baseline_bytes if method == METHODS[0] else est.peak_bytes
+    stock = method == METHODS[0]
+    predicted = est.baseline_bytes if stock else est.peak_bytes
+    chunks = est.allocator_baseline_bytes if stock else est.allocator_peak_bytes
     budget = {"budget": int(traced["budget"].max_bytes)} if "budget" in traced else {}
-    return {"method": method, "predicted": int(predicted), **budget,
+    return {"method": method, "predicted": int(predicted),
+            "predicted_allocator": int(chunks), **budget,
             "measured": int(statistics.median(peaks)) - weights,
             "measured_all": [int(p) - weights for p in peaks]}
 
@@ -260,18 +265,27 @@ def run_job(model_name, methods, threads, timeout=900, jit=False, requested=Fals
 
 
 def write_table(rows, path):
-    """Markdown: predicted beside measured MiB, then the memory ratios per threading."""
-    lines = ["| model | method | threads | predicted MiB | measured MiB | predicted/measured |",
-             "|---|---|---|---|---|---|"]
+    """Markdown: predicted (bytes requested, and chunks as the allocator counts them)
+    beside measured MiB, then the memory ratios per threading."""
+    lines = ["| model | method | threads | predicted MiB | predicted, allocator chunks MiB | "
+             "measured MiB | predicted/measured | allocator/measured |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['model']} | {r['method']} | {r['threads']} | error: "
-                         f"{r['error'][:80]} | | |")
+                         f"{r['error'][:80]} | | | | |")
             continue
+        chunks = r.get("predicted_allocator")  # absent in rows older than the allocator replay
+        measured = max(r["measured"], 1)
         lines.append(f"| {r['model']} | {r['method']} | {r['threads']} | "
-                     f"{r['predicted'] / 2**20:.1f} | {r['measured'] / 2**20:.1f} | "
-                     f"{r['predicted'] / max(r['measured'], 1):.2f} |")
+                     f"{r['predicted'] / 2**20:.1f} | {_shown(chunks, 2**20, '.1f')} | "
+                     f"{r['measured'] / 2**20:.1f} | {r['predicted'] / measured:.2f} | "
+                     f"{_shown(chunks, measured, '.2f')} |")
     path.write_text("\n".join(lines + [""] + ratio_lines(rows)) + "\n")
+
+
+def _shown(value, divisor, spec):
+    return "" if value is None else format(value / divisor, spec)
 
 
 def ratio_lines(rows):

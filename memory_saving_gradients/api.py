@@ -71,6 +71,10 @@ class CheckpointPlan:
             f"({est.memory_ratio:.0%}), extra forward work "
             f"{est.recompute_flops / max(est.forward_flops, 1):.0%}",
         ]
+        if est.allocator_peak_bytes is not None:
+            lines.append(
+                f"as the allocator counts it (whole chunks): {est.allocator_peak_bytes / 2**20:.1f}"
+                f" MiB vs {est.allocator_baseline_bytes / 2**20:.1f} MiB for tf.gradients")
         lines += [f"checkpoint: {t.name} {t.shape} {t.dtype.name}" for t in self.checkpoints]
         lines += [f"note: {n}" for n in self.notes]
         if not self.feasible:
@@ -146,7 +150,10 @@ def checkpoint_plan(ys, xs, checkpoints="memory"):
       >>> print(memory_saving_gradients.checkpoint_plan(loss, model.weights))
     """
     ys, xs, _ = arguments.normalise(ys, xs, None)
-    return _plan(ys, _sources(ys[0].graph, xs)[2], checkpoints)
+    report = _plan(ys, _sources(ys[0].graph, xs)[2], checkpoints)
+    # Only here (not in `gradients`): the allocator replay costs about a plan's pricing.
+    return dataclasses.replace(report, estimate=timeline.with_allocator_peaks(
+        report.model, report.plan, report.estimate))
 
 
 def validate_checkpoints(checkpoints) -> str:

@@ -110,6 +110,15 @@ def test_plan_inspection_adds_no_ops_and_reports_recompute(chain):
     assert "recompute" in str(plan)
 
 
+def test_plan_reports_the_allocator_level_peaks(chain):
+    x, _, y = chain
+    estimate = msg.checkpoint_plan(y, x, "memory").estimate
+    # Chunks are whole multiples of 256 bytes, never less than the bytes requested.
+    assert estimate.allocator_peak_bytes >= estimate.peak_bytes
+    assert estimate.allocator_baseline_bytes >= estimate.baseline_bytes
+    assert "as the allocator counts it" in str(msg.checkpoint_plan(y, x, "memory"))
+
+
 def test_chosen_checkpoints_are_logged(chain, caplog):
     x, hs, y = chain
     with caplog.at_level(logging.INFO, logger="memory_saving_gradients"):

@@ -32,6 +32,7 @@ from typing import Optional
 
 import numpy as np
 
+from memory_saving_gradients.core import allocator
 from memory_saving_gradients.core import op_table
 from memory_saving_gradients.core.loop_events import LoopEvents
 from memory_saving_gradients.core.model import GraphModel
@@ -60,6 +61,10 @@ class Estimate:
       baseline_bytes: `peak_bytes` of stock tf.gradients on the same model.
       recompute_flops: extra forward work, summed over the copies that run.
       forward_flops: work of one forward pass over the region, for scale.
+      allocator_peak_bytes: `peak_bytes` as TensorFlow's BFC allocator counts
+        it (the chunks handed out, `core/allocator.py`); None until
+        `with_allocator_peaks` works it out (the final plan only).
+      allocator_baseline_bytes: the same for stock tf.gradients.
     """
     peak_bytes: int
     kept_bytes: int
@@ -67,6 +72,8 @@ class Estimate:
     baseline_bytes: int
     recompute_flops: int
     forward_flops: int
+    allocator_peak_bytes: Optional[int] = None
+    allocator_baseline_bytes: Optional[int] = None
 
     @property
     def memory_ratio(self) -> float:
@@ -93,6 +100,30 @@ def predict(model: GraphModel, plan: Optional[Plan] = None) -> Estimate:
         peak_bytes=peak, kept_bytes=kept, largest_segment_bytes=largest,
         baseline_bytes=baseline, recompute_flops=recompute,
         forward_flops=op_table.per_model(model, "forward_flops", _forward_flops))
+
+
+def with_allocator_peaks(model: GraphModel, plan: Optional[Plan],
+                         estimate: Estimate) -> Estimate:
+    """`estimate` with its allocator-level peaks (`allocator.peak_chunk_bytes`).
+
+    A replay of the plan's allocations through a simulated BFC allocator:
+    slower than `predict`, so it is run on the plan a strategy chose, not on
+    every plan the solvers price.
+    """
+    stock = op_table.per_model(model, "allocator_baseline",
+                               lambda m: _allocator_peak(_Replay(m, stock=True), ()))
+    planned = stock if plan is None else _allocator_peak(_Replay(model), plan.levels)
+    return dataclasses.replace(estimate, allocator_peak_bytes=planned,
+                               allocator_baseline_bytes=stock)
+
+
+def _allocator_peak(replay, levels):
+    replay.run(levels)
+    events = allocator.lifetime_events(replay.born, replay.last_use, replay.transient)
+    # The variables (each the size of its gradient) were allocated before the step.
+    variables = replay.model.weight_grad_bytes.values()
+    return (allocator.peak_chunk_bytes(events, held_before=variables)
+            - replay._weight_grad_bytes())  # pylint: disable=protected-access
 
 
 def _forward_flops(model):
