@@ -20,6 +20,7 @@ from tensorflow.python.ops import control_flow_util_v2
 from tensorflow.python.ops import default_gradient
 from tensorflow.python.ops import gradients as gradients_module
 from tensorflow.python.ops import gradients_impl
+from tensorflow.python.ops import gradients_util
 from tensorflow.python.ops import control_flow_v2_func_graphs
 from tensorflow.python.ops import handle_data_util
 from tensorflow.python.saved_model import save_context
@@ -72,6 +73,17 @@ def wrap_tape_recorders(wrap) -> None:
     """
     for name in ("record_operation", "record_operation_backprop_only"):
         setattr(record, name, wrap(getattr(record, name)))
+
+
+def gradient_consumers_lookup():
+    """tf.gradients' lookup of a tensor's consumers across captures
+    (`gradients_util._Consumers(tensor, func_graphs)`)."""
+    return gradients_util._Consumers  # pylint: disable=protected-access
+
+
+def set_gradient_consumers_lookup(lookup) -> None:
+    """Replaces it; tf.gradients looks it up on its module at call time."""
+    gradients_util._Consumers = lookup  # pylint: disable=protected-access
 
 
 def tape_would_record(tensors) -> bool:
