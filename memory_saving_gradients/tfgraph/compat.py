@@ -196,6 +196,25 @@ def create_op_copy(graph: tf.Graph, op: tf.Operation, inputs: list, attrs=None,
         attrs=attrs or dict(op.node_def.attr), op_def=op.op_def, compute_device=False)
 
 
+def new_op(op_type: str, inputs: list, **attrs) -> tf.Operation:
+    """An op of `op_type` reading `inputs`, made in the default graph (name
+    scope, device and control dependencies as for any op) without the op
+    wrappers' argument checks: a third of the time of `tf.raw_ops`, for ops
+    made by the thousand. `attrs`: name -> DType, bool or int; the others
+    take their defaults."""
+    graph = tf.compat.v1.get_default_graph()
+    return graph._create_op_internal(  # pylint: disable=protected-access
+        op_type, inputs, attrs={k: _attr_value(v) for k, v in attrs.items()})
+
+
+def _attr_value(value) -> attr_value_pb2.AttrValue:
+    if isinstance(value, tf.DType):
+        return attr_value_pb2.AttrValue(type=value.as_datatype_enum)
+    if isinstance(value, bool):
+        return attr_value_pb2.AttrValue(b=value)
+    return attr_value_pb2.AttrValue(i=value)
+
+
 def add_loop_outputs(loop: tf.Operation, cond_graph, body_graph, new_inputs: list) -> None:
     """Gives v2 While `loop` the functions `cond_graph`, `body_graph` (its
     own plus `new_inputs` carried to new outputs), as while_v2's `_WhileGrad`

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from memory_saving_gradients.tfgraph import compat
+
 
 def gradient_values(gradient):
     """The dense values of a gradient (Tensor or IndexedSlices)."""
@@ -77,7 +79,7 @@ def _first_elements(values: list) -> tf.Tensor:
     axis, each axis dropped. A gate reads every weight gradient of a level,
     and making ops is most of a rewrite's time: three ops per tensor made the
     gates a quarter of it on the 256-block MLP. Raw ops, on constants shared
-    by the tensors of one rank (tf.strided_slice's wrapper makes its own).
+    by the tensors of one rank, made without the op wrappers (compat.new_op).
     Tensors of unknown or empty shape are flattened and sliced to at most
     one element.
     """
@@ -95,13 +97,15 @@ def _first_elements(values: list) -> tf.Tensor:
             scalars.append(v)
         elif v.shape.is_fully_defined() and v.shape.num_elements() > 0:
             ones = const(*[1] * rank)
-            scalars.append(tf.raw_ops.StridedSlice(input=v, begin=const(*[0] * rank), end=ones,
-                                                   strides=ones, shrink_axis_mask=(1 << rank) - 1))
+            scalars.append(compat.new_op(
+                "StridedSlice", [v, const(*[0] * rank), ones, ones], T=v.dtype, Index=tf.int32,
+                shrink_axis_mask=(1 << rank) - 1).outputs[0])
         else:
             vectors.append(tf.raw_ops.StridedSlice(
                 input=tf.raw_ops.Reshape(tensor=v, shape=const(-1)),
                 begin=const(0), end=const(1), strides=const(1)))
-    parts = ([tf.raw_ops.Pack(values=scalars)] if scalars else []) + vectors
+    parts = ([compat.new_op("Pack", scalars, T=values[0].dtype, N=len(scalars)).outputs[0]]
+             if scalars else []) + vectors
     return parts[0] if len(parts) == 1 else tf.concat(parts, axis=0)
 
 
