@@ -75,15 +75,26 @@ def wrap_tape_recorders(wrap) -> None:
         setattr(record, name, wrap(getattr(record, name)))
 
 
-def gradient_consumers_lookup():
-    """tf.gradients' lookup of a tensor's consumers across captures
-    (`gradients_util._Consumers(tensor, func_graphs)`)."""
-    return gradients_util._Consumers  # pylint: disable=protected-access
+def gradient_capture_lookups() -> tuple:
+    """tf.gradients' lookups across function captures: (a tensor's consumers,
+    `_Consumers(tensor, func_graphs)`; the outer tensor of a placeholder,
+    `_MaybeCaptured(tensor)`)."""
+    return gradients_util._Consumers, gradients_util._MaybeCaptured  # pylint: disable=protected-access
 
 
-def set_gradient_consumers_lookup(lookup) -> None:
-    """Replaces it; tf.gradients looks it up on its module at call time."""
-    gradients_util._Consumers = lookup  # pylint: disable=protected-access
+def set_gradient_capture_lookups(consumers, outer_tensor) -> None:
+    """Replaces them; tf.gradients looks them up on its module at call time."""
+    gradients_util._Consumers = consumers  # pylint: disable=protected-access
+    gradients_util._MaybeCaptured = outer_tensor  # pylint: disable=protected-access
+
+
+def is_eager_tensor(tensor) -> bool:
+    return isinstance(tensor, tf_ops.EagerTensor)
+
+
+def builds_function(graph) -> bool:
+    """True for a function's graph (FuncGraph, or a v1 Defun's), as tf.gradients asks."""
+    return isinstance(graph, tf.Graph) and graph._building_function  # pylint: disable=protected-access
 
 
 def tape_would_record(tensors) -> bool:
