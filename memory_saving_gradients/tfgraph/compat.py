@@ -20,6 +20,7 @@ from tensorflow.python.ops import control_flow_util_v2
 from tensorflow.python.ops import default_gradient
 from tensorflow.python.ops import gradients as gradients_module
 from tensorflow.python.ops import gradients_impl
+from tensorflow.python.ops import gradients_util
 from tensorflow.python.ops import control_flow_v2_func_graphs
 from tensorflow.python.ops import handle_data_util
 from tensorflow.python.saved_model import save_context
@@ -72,6 +73,28 @@ def wrap_tape_recorders(wrap) -> None:
     """
     for name in ("record_operation", "record_operation_backprop_only"):
         setattr(record, name, wrap(getattr(record, name)))
+
+
+def gradient_capture_lookups() -> tuple:
+    """tf.gradients' lookups across function captures: (a tensor's consumers,
+    `_Consumers(tensor, func_graphs)`; the outer tensor of a placeholder,
+    `_MaybeCaptured(tensor)`)."""
+    return gradients_util._Consumers, gradients_util._MaybeCaptured  # pylint: disable=protected-access
+
+
+def set_gradient_capture_lookups(consumers, outer_tensor) -> None:
+    """Replaces them; tf.gradients looks them up on its module at call time."""
+    gradients_util._Consumers = consumers  # pylint: disable=protected-access
+    gradients_util._MaybeCaptured = outer_tensor  # pylint: disable=protected-access
+
+
+def is_eager_tensor(tensor) -> bool:
+    return isinstance(tensor, tf_ops.EagerTensor)
+
+
+def builds_function(graph) -> bool:
+    """True for a function's graph (FuncGraph, or a v1 Defun's), as tf.gradients asks."""
+    return isinstance(graph, tf.Graph) and graph._building_function  # pylint: disable=protected-access
 
 
 def tape_would_record(tensors) -> bool:
@@ -182,6 +205,25 @@ def create_op_copy(graph: tf.Graph, op: tf.Operation, inputs: list, attrs=None,
     return graph._create_op_internal(  # pylint: disable=protected-access
         op.type, inputs, dtypes=dtypes or [o.dtype for o in op.outputs], name=op.name,
         attrs=attrs or dict(op.node_def.attr), op_def=op.op_def, compute_device=False)
+
+
+def new_op(op_type: str, inputs: list, **attrs) -> tf.Operation:
+    """An op of `op_type` reading `inputs`, made in the default graph (name
+    scope, device and control dependencies as for any op) without the op
+    wrappers' argument checks: a third of the time of `tf.raw_ops`, for ops
+    made by the thousand. `attrs`: name -> DType, bool or int; the others
+    take their defaults."""
+    graph = tf.compat.v1.get_default_graph()
+    return graph._create_op_internal(  # pylint: disable=protected-access
+        op_type, inputs, attrs={k: _attr_value(v) for k, v in attrs.items()})
+
+
+def _attr_value(value) -> attr_value_pb2.AttrValue:
+    if isinstance(value, tf.DType):
+        return attr_value_pb2.AttrValue(type=value.as_datatype_enum)
+    if isinstance(value, bool):
+        return attr_value_pb2.AttrValue(b=value)
+    return attr_value_pb2.AttrValue(i=value)
 
 
 def add_loop_outputs(loop: tf.Operation, cond_graph, body_graph, new_inputs: list) -> None:

@@ -26,6 +26,7 @@ import tensorflow as tf
 
 from memory_saving_gradients.core.planning import Level
 from memory_saving_gradients.core.planning import Plan
+from memory_saving_gradients.tfgraph import capture_lookup
 from memory_saving_gradients.tfgraph import captured_reads
 from memory_saving_gradients.tfgraph import compat
 from memory_saving_gradients.tfgraph import copying
@@ -50,9 +51,10 @@ def backprop(reading: Reading, plan: Plan, ys, xs, grad_ys, stop_gradients, tf_k
     # Loops differentiated where they are (not copied) are rerun in chunks too;
     # unit-stride convolutions, originals and copies, get gradients without
     # the CPU kernels' scratch, and XLA-compiled depthwise ones without XLA's.
+    # Our many tf.gradients calls look captures up by index (capture_lookup.py).
     with loop_chunks.chunked_gradients(loop_chunks.rerunnable_in(graph, reading.region)), \
             conv_gradients.scratch_free_gradients(region_ops), \
-            grouped_conv_calls.native_gradients(region_ops):
+            grouped_conv_calls.native_gradients(region_ops), capture_lookup.indexed():
         run.to_checkpoints(ys, grad_ys)
         for number, level in reversed(list(enumerate(plan.levels))):
             run.through_level(number, level)
