@@ -35,12 +35,13 @@ def sums_first(new_ops: list, gradients: list) -> int:
     """Makes each sibling product of a shrinking sum's temporary wait for the sum.
 
     `new_ops`: the ops one tf.gradients call made; `gradients`: what it
-    returned. Only sums they need count: tf.gradients also makes the sum
-    of an input nothing differentiates (a constant scale), which the executor
-    skips, and an edge from it would make it run; and only needed siblings. Returns how many control
-    inputs were added. An edge is added only where the sum does not depend
-    on the sibling (no cycle): the walk stays among `new_ops`, as every op
-    outside them was made earlier and reads none of them.
+    returned. Only sums and siblings they need count: tf.gradients also
+    makes the sum of an input nothing differentiates (a constant scale),
+    which the executor skips, and an edge from it would make it run.
+    Returns how many control inputs were added. An edge is added only where
+    the sum does not depend on the sibling (no cycle): the walk stays among
+    `new_ops`, as every op outside them was made earlier and reads none of
+    them.
     """
     among = set(new_ops)
     needed = ancestors_among(new_ops, [t for g in gradients for t in gradient_tensors(g)])
