@@ -38,12 +38,16 @@ def _scaled_blocks(ctx, x, blocks=3):
     return Model(ys=[tf.reduce_sum(h * h)], xs=[x] + list(ctx.variables.values()))
 
 
+def _elements(tensor):
+    return tensor.shape.num_elements()
+
+
 def _gradient_products(graph):
     """(grad * inv, the sum of x * grad) of each `y * inv` gradient in the graph."""
     pairs = []
     for op in graph.get_operations():
         scope = op.name.rpartition("/")[0]
-        if op.type != "Sum" or op.inputs[0].shape.num_elements() <= op.outputs[0].shape.num_elements():
+        if op.type != "Sum" or _elements(op.inputs[0]) <= _elements(op.outputs[0]):
             continue
         product = op.inputs[0].op
         shared = [t for t in product.inputs if t.shape == product.outputs[0].shape]
