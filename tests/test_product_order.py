@@ -91,3 +91,18 @@ def test_no_edge_where_the_sum_needs_the_sibling():
 @pytest.mark.parametrize("runtime", ["function", "session"])
 def test_gradients_equal_stock_with_sums_first(runtime):
     assert_matches_stock(gradients_vs_stock(runtime, _scaled_blocks, INPUTS), rtol=1e-4, atol=1e-4)
+
+
+def test_no_edge_where_the_sum_needs_the_sibling_through_other_ops():
+    # The path from the sibling to the sum passes an op the call did not make
+    # (a BERT encoder's step failed with a cycle when the walk stayed among the new ops).
+    graph = tf.Graph()
+    with graph.as_default():
+        grad = tf.compat.v1.placeholder(tf.float32, [64, 8])
+        sibling = grad * 2.0
+        elsewhere = tf.identity(sibling)
+        reduction = tf.reduce_sum(grad * elsewhere, 0)
+    new_ops = [op for op in graph.get_operations()
+               if op.type != "Placeholder" and op is not elsewhere.op]
+    assert product_order.sums_first(new_ops, [reduction, sibling]) == 0
+    assert not sibling.op.control_inputs

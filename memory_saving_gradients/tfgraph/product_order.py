@@ -39,9 +39,9 @@ def sums_first(new_ops: list, gradients: list) -> int:
     makes the sum of an input nothing differentiates (a constant scale),
     which the executor skips, and an edge from it would make it run.
     Returns how many control inputs were added. An edge is added only where
-    the sum does not depend on the sibling (no cycle): the walk stays among
-    `new_ops`, as every op outside them was made earlier and reads none of
-    them.
+    the sum does not depend on the sibling (no cycle), by a walk over the
+    whole graph: on a BERT encoder a walk kept among `new_ops` missed a path
+    and the step failed with a cycle.
     """
     among = set(new_ops)
     needed = ancestors_among(new_ops, [t for g in gradients for t in gradient_tensors(g)])
@@ -53,7 +53,7 @@ def sums_first(new_ops: list, gradients: list) -> int:
         for sibling in _siblings(product, needed):
             if reduction in sibling.control_inputs:
                 continue
-            if sibling in ancestors_among(new_ops, reduction.inputs):
+            if _depends_on(reduction, sibling):
                 continue
             compat.add_control_input(sibling, reduction)
             added += 1
@@ -92,3 +92,16 @@ def _siblings(product: tf.Operation, among: set) -> list:
 
 def _same_shape(a: tf.Tensor, b: tf.Tensor) -> bool:
     return a.shape.rank is not None and a.shape.as_list() == b.shape.as_list()
+
+
+def _depends_on(later: tf.Operation, first: tf.Operation) -> bool:
+    """True when a data or control path runs from `first` to `later`."""
+    seen, todo = set(), [later]
+    while todo:
+        op = todo.pop()
+        if op is first:
+            return True
+        if op not in seen:
+            seen.add(op)
+            todo.extend([t.op for t in op.inputs] + list(op.control_inputs))
+    return False
