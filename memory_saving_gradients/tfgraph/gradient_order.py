@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from memory_saving_gradients.tfgraph import compat
 from memory_saving_gradients.tfgraph.gradient_waits import ancestors_among
+from memory_saving_gradients.tfgraph.gradient_waits import depends_on
 from memory_saving_gradients.tfgraph.gradient_waits import gradient_tensors
 from memory_saving_gradients.tfgraph.op_kinds import tensor_bytes
 from memory_saving_gradients.tfgraph.workspace import SCRATCH_GRADIENT_OP_TYPES
@@ -55,14 +56,14 @@ class ScratchChain:
         """
         needed = ancestors_among(new_ops, [t for g in gradients for t in gradient_tensors(g)])
         scratch = [op for op in new_ops if op.type in SCRATCH_GRADIENT_OP_TYPES and op in needed]
-        for op in _smaller_output_first(scratch, new_ops):
+        for op in _smaller_output_first(scratch):
             previous = self._last_on_device.get(op.device)
             if previous is not None and previous not in op.control_inputs:
                 compat.add_control_input(op, previous)
             self._last_on_device[op.device] = op
 
 
-def _smaller_output_first(scratch: list, new_ops: list) -> list:
+def _smaller_output_first(scratch: list) -> list:
     """`scratch` (in creation order) with each pair of one forward op's
     gradient ops swapped when the later one has the smaller output and does
     not depend on the earlier one (tf.gradients makes the input gradient first)."""
@@ -71,6 +72,6 @@ def _smaller_output_first(scratch: list, new_ops: list) -> list:
         first, second = ordered[i], ordered[i + 1]
         if (compat.forward_op_of_gradient(first) is compat.forward_op_of_gradient(second)
                 and tensor_bytes(second.outputs[0]) < tensor_bytes(first.outputs[0])
-                and first not in ancestors_among(new_ops, second.outputs)):
+                and not depends_on(second, first)):
             ordered[i], ordered[i + 1] = second, first
     return ordered

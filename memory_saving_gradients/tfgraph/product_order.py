@@ -25,6 +25,7 @@ import tensorflow as tf
 from memory_saving_gradients.tfgraph import compat
 from memory_saving_gradients.tfgraph import op_kinds
 from memory_saving_gradients.tfgraph.gradient_waits import ancestors_among
+from memory_saving_gradients.tfgraph.gradient_waits import depends_on
 from memory_saving_gradients.tfgraph.gradient_waits import gradient_tensors
 
 _REDUCTIONS = frozenset({"Sum", "Mean"})
@@ -53,7 +54,7 @@ def sums_first(new_ops: list, gradients: list) -> int:
         for sibling in _siblings(product, needed):
             if reduction in sibling.control_inputs:
                 continue
-            if _depends_on(reduction, sibling):
+            if depends_on(reduction, sibling):
                 continue
             compat.add_control_input(sibling, reduction)
             added += 1
@@ -93,15 +94,3 @@ def _siblings(product: tf.Operation, among: set) -> list:
 def _same_shape(a: tf.Tensor, b: tf.Tensor) -> bool:
     return a.shape.rank is not None and a.shape.as_list() == b.shape.as_list()
 
-
-def _depends_on(later: tf.Operation, first: tf.Operation) -> bool:
-    """True when a data or control path runs from `first` to `later`."""
-    seen, todo = set(), [later]
-    while todo:
-        op = todo.pop()
-        if op is first:
-            return True
-        if op not in seen:
-            seen.add(op)
-            todo.extend([t.op for t in op.inputs] + list(op.control_inputs))
-    return False
