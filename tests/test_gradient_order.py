@@ -75,8 +75,16 @@ def test_scratch_gradient_ops_run_in_one_order(mode):
     # 2 explicitly padded convolutions and a depthwise one (two gradient ops each) and a
     # max pool, less the first convolution's input gradient.
     assert len(chained) == 6, [op.name for op in chained]
-    for first, later in zip(chained, chained[1:]):
+    # One chain: ordered by how many of the others each waits for, each waits for the one before.
+    order = sorted(chained, key=lambda op: sum(waits_for(op, other) for other in chained))
+    for first, later in zip(order, order[1:]):
         assert waits_for(later, first), (first.name, later.name)
+    # A layer's weight gradient runs before its input gradient (which it would outlive).
+    for op in chained:
+        if op.type.endswith("BackpropInput"):
+            weight = [w for w in chained if w is not op and compat.forward_op_of_gradient(w)
+                      is compat.forward_op_of_gradient(op)]
+            assert weight and all(waits_for(op, w) for w in weight), op.name
     # The unneeded input gradient stays out of the chain, so the executor skips it.
     unneeded = set(scratch) - needed
     assert [op.type for op in unneeded] == ["Conv2DBackpropInput"]

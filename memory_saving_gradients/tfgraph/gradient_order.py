@@ -10,15 +10,23 @@ gradient ops running side by side, against 55 MiB with one inter-op thread.
 The planner's timeline counts one scratch at a time. Chaining these ops in
 the order tf.gradients made them (reverse topological: a layer's input
 gradient, its weight gradient, then the layer below; level after level) makes
-that so whatever the thread count, and frees each recomputed input right
-after its weight gradient. Each kernel still uses every intra-op thread.
+that so whatever the thread count. Of one layer's two gradient ops the one
+with the smaller output (the weight gradient) runs first: it frees the
+layer's input (often recomputed just for it) before the input gradient
+allocates its layer-input-sized output, so the two never coexist. In
+creation order they did: on MobileNetV2 (64 px, batch 144, `"memory"`) a
+padded depthwise convolution's input gradient, 57 MiB, was alive while its
+input was recomputed for the filter gradient, the step's peak
+(docs/benchmarks_main.md). Each kernel still uses every intra-op thread.
 """
 
 from __future__ import annotations
 
 from memory_saving_gradients.tfgraph import compat
 from memory_saving_gradients.tfgraph.gradient_waits import ancestors_among
+from memory_saving_gradients.tfgraph.gradient_waits import depends_on
 from memory_saving_gradients.tfgraph.gradient_waits import gradient_tensors
+from memory_saving_gradients.tfgraph.op_kinds import tensor_bytes
 from memory_saving_gradients.tfgraph.workspace import SCRATCH_GRADIENT_OP_TYPES
 
 
@@ -28,8 +36,10 @@ class ScratchChain:
     Ops join in creation order, across every tf.gradients call of the
     backprop (a level whose ops are all kept is differentiated without a
     gate, and its gradient ops would otherwise run beside the previous
-    level's). Every edge of a TF2 graph runs from an earlier op to a later
-    one, so the chain makes no cycle.
+    level's), but for a layer's weight gradient, which goes before its input
+    gradient. Every other edge of a TF2 graph runs from an earlier op to a
+    later one, and that swap is made only where the weight gradient does not
+    depend on the input gradient, so the chain makes no cycle.
     """
 
     def __init__(self):
@@ -45,10 +55,23 @@ class ScratchChain:
         would make them run.
         """
         needed = ancestors_among(new_ops, [t for g in gradients for t in gradient_tensors(g)])
-        for op in new_ops:
-            if op.type not in SCRATCH_GRADIENT_OP_TYPES or op not in needed:
-                continue
+        scratch = [op for op in new_ops if op.type in SCRATCH_GRADIENT_OP_TYPES and op in needed]
+        for op in _smaller_output_first(scratch):
             previous = self._last_on_device.get(op.device)
             if previous is not None and previous not in op.control_inputs:
                 compat.add_control_input(op, previous)
             self._last_on_device[op.device] = op
+
+
+def _smaller_output_first(scratch: list) -> list:
+    """`scratch` (in creation order) with each pair of one forward op's
+    gradient ops swapped when the later one has the smaller output and does
+    not depend on the earlier one (tf.gradients makes the input gradient first)."""
+    ordered = list(scratch)
+    for i in range(len(ordered) - 1):
+        first, second = ordered[i], ordered[i + 1]
+        if (compat.forward_op_of_gradient(first) is compat.forward_op_of_gradient(second)
+                and tensor_bytes(second.outputs[0]) < tensor_bytes(first.outputs[0])
+                and not depends_on(second, first)):
+            ordered[i], ordered[i + 1] = second, first
+    return ordered

@@ -41,6 +41,20 @@ def ancestors_among(ops, tensors) -> set:
     return found
 
 
+def depends_on(later: tf.Operation, first: tf.Operation) -> bool:
+    """True when a data or control path runs from `first` to `later` (a walk
+    over the whole graph)."""
+    seen, todo = set(), [later]
+    while todo:
+        op = todo.pop()
+        if op is first:
+            return True
+        if op not in seen:
+            seen.add(op)
+            todo.extend([t.op for t in op.inputs] + list(op.control_inputs))
+    return False
+
+
 def is_numeric(dtype: tf.DType) -> bool:
     return dtype.is_floating or dtype.is_integer or dtype.is_complex
 

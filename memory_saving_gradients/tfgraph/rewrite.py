@@ -33,6 +33,7 @@ from memory_saving_gradients.tfgraph import copying
 from memory_saving_gradients.tfgraph import gradient_order
 from memory_saving_gradients.tfgraph import gradient_waits
 from memory_saving_gradients.tfgraph import leaf_order
+from memory_saving_gradients.tfgraph import product_order
 from memory_saving_gradients.tfgraph import op_kinds
 from memory_saving_gradients.tfgraph import conv_gradients
 from memory_saving_gradients.tfgraph import grouped_conv_calls
@@ -239,7 +240,8 @@ class _Backprop:
         return [g for _, g in made]
 
     def _order(self, new_ops, seeds, made, recomputed, first_call=False) -> None:
-        """Orders the gradient ops one call made (scratch ones, leaves).
+        """Orders the gradient ops one call made (scratch ones, leaves, a
+        broadcast product's sum before its sibling product).
 
         `made`: (source name, gradient) pairs the call returned. In the first
         call (ys to checkpoints) the gradients to the xs end there too: only
@@ -252,6 +254,7 @@ class _Backprop:
         to_weights = [g for n, g in made if ends(n)]
         onward = [g for n, g in made if not ends(n)]
         leaf_order.order_leaves(new_ops, seeds, recomputed, to_weights, onward)
+        product_order.sums_first(new_ops, [g for _, g in made])
 
     def _inputs_of(self, kept) -> list:
         """The tensors to differentiate kept roots to: what their ops read.
