@@ -16,7 +16,6 @@ from tests.harness import Context
 from tests.harness import Model
 from tests.harness import assert_matches_stock
 from tests.harness import gradients_vs_stock
-from tests.harness import waits_for
 
 INPUTS = {"x": np.random.default_rng(0).normal(size=(8, 6, 6, 16)).astype(np.float32)}
 
