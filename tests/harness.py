@@ -19,6 +19,7 @@ import tensorflow as tf
 from tensorflow.python.framework.indexed_slices import IndexedSlicesValue
 
 import memory_saving_gradients as msg
+from memory_saving_gradients.tfgraph import gradient_waits
 
 # The unpatched tf.gradients, whatever other tests do to tf.gradients.
 from memory_saving_gradients.tfgraph.compat import stock_gradients  # noqa: E402,F401
@@ -316,17 +317,8 @@ def run_session(fetches, feed):
         return sess.run(fetches, feed)
 
 
-def waits_for(later: tf.Operation, first: tf.Operation) -> bool:
-    """True if `later` depends on `first` through data or control edges."""
-    seen, todo = set(), [later]
-    while todo:
-        op = todo.pop()
-        if op is first:
-            return True
-        if op not in seen:
-            seen.add(op)
-            todo.extend(list(op.control_inputs) + [t.op for t in op.inputs])
-    return False
+# True if `later` depends on `first` through data or control edges.
+waits_for = gradient_waits.depends_on
 
 
 def module_result(module: str, threads: str) -> dict:
