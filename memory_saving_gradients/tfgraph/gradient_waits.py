@@ -85,6 +85,9 @@ def gate(gradients: list):
         return tf.reduce_any(flags[0] if len(flags) == 1 else tf.concat(flags, axis=0))
 
 
+_MAX_SLICE_RANK = 8
+
+
 def _first_elements(values: list) -> tf.Tensor:
     """A vector of the first element of each of `values` (tensors of one
     dtype; nothing of an empty one).
@@ -94,8 +97,9 @@ def _first_elements(values: list) -> tf.Tensor:
     and making ops is most of a rewrite's time: three ops per tensor made the
     gates a quarter of it on the 256-block MLP. Raw ops, on constants shared
     by the tensors of one rank, made without the op wrappers (compat.new_op).
-    Tensors of unknown or empty shape are flattened and sliced to at most
-    one element.
+    Tensors of unknown or empty shape, or of rank above 8 (StridedSlice's
+    CPU kernel handles at most 8 dimensions), are flattened and sliced to at
+    most one element.
     """
     constants = {}
 
@@ -109,7 +113,7 @@ def _first_elements(values: list) -> tf.Tensor:
         rank = v.shape.rank
         if rank == 0:
             scalars.append(v)
-        elif v.shape.is_fully_defined() and v.shape.num_elements() > 0:
+        elif v.shape.is_fully_defined() and v.shape.num_elements() and rank <= _MAX_SLICE_RANK:
             ones = const(*[1] * rank)
             scalars.append(compat.new_op(
                 "StridedSlice", [v, const(*[0] * rank), ones, ones], T=v.dtype, Index=tf.int32,
