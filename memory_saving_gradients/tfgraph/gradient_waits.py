@@ -42,16 +42,21 @@ def ancestors_among(ops, tensors) -> set:
 
 
 def depends_on(later: tf.Operation, first: tf.Operation) -> bool:
-    """True when a data or control path runs from `first` to `later` (a walk
-    over the whole graph)."""
-    seen, todo = set(), [later]
+    """True when a data or control path runs from `first` to `later`.
+
+    A walk forward from `first` over every consumer and control output (the
+    whole graph, so a path through any op counts): for an op of the
+    tf.gradients call in progress that is at most the rest of that call,
+    where a walk back from `later` read the whole forward graph once per
+    pair asked, quadratic in depth."""
+    seen, todo = set(), [first]
     while todo:
         op = todo.pop()
-        if op is first:
+        if op is later:
             return True
         if op not in seen:
             seen.add(op)
-            todo.extend([t.op for t in op.inputs] + list(op.control_inputs))
+            todo.extend([c for t in op.outputs for c in t.consumers()] + compat.control_outputs(op))
     return False
 
 
