@@ -26,6 +26,7 @@ def test_a_budget_that_the_speed_plan_fits_is_not_refused():
 def test_the_refusal_names_the_smallest_budget_a_plan_fits():
     model = random_model(3, ops=43)
     speed = strategies.speed(model)
-    expected = f"smallest feasible budget on this graph is {budgets.describe_bytes(speed.peak_bytes)}"
+    expected = ("smallest feasible budget on this graph is "
+                + budgets.describe_bytes(speed.peak_bytes))
     with pytest.raises(ValueError, match=re.escape(expected)):
         budgets.budget(speed.peak_bytes - 1)(model)
