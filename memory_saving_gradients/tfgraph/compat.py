@@ -117,11 +117,6 @@ def add_control_input(op: tf.Operation, control: tf.Operation) -> None:
     op._add_control_input(control)  # pylint: disable=protected-access
 
 
-def control_outputs(op: tf.Operation) -> list:
-    """The ops that have `op` as a control input."""
-    return list(op._control_outputs)  # pylint: disable=protected-access
-
-
 def capturing_graph(outer: tf.Graph, name: str):
     """An empty graph whose ops may read `outer`'s tensors: each one read is
     captured (a placeholder inside; `captured_pairs` lists them), and nothing
