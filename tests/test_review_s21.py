@@ -41,15 +41,15 @@ def _normal(shape, seed):
     return np.random.default_rng(seed).normal(scale=0.3, size=shape)
 
 
-def _norm_blocks(ctx, x, v):
+def _norm_blocks(ctx, x, v, prefix=""):
     """Conv, a written-out batch norm (sums_first's broadcast products),
     depthwise conv (a scratch op pair, weight gradient first); checkpointed,
     float64. ys: a Hessian-vector product through the first gradients."""
     h, kept = x, []
     for i in range(3):
-        w = ctx.variable(f"w{i}", _normal((3, 3, h.shape[-1], 4), i))
-        d = ctx.variable(f"d{i}", _normal((3, 3, 4, 1), 10 + i))
-        gamma = ctx.variable(f"gamma{i}", 1.0 + _normal((4,), 20 + i))
+        w = ctx.variable(f"{prefix}w{i}", _normal((3, 3, h.shape[-1], 4), i))
+        d = ctx.variable(f"{prefix}d{i}", _normal((3, 3, 4, 1), 10 + i))
+        gamma = ctx.variable(f"{prefix}gamma{i}", 1.0 + _normal((4,), 20 + i))
         y = tf.nn.conv2d(h, w, 1, "SAME")
         mean, variance = tf.nn.moments(y, [0, 1, 2])
         inv = tf.math.rsqrt(variance + 1e-3) * gamma
@@ -86,3 +86,24 @@ def test_second_order_through_our_gradients_equals_stock(runtime):
             np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12, err_msg=f"{mode} #{i}")
     for a, b in zip(ours.stock, stock.stock):  # stock second order of our first order
         np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)
+
+
+def _norm_blocks_with_control_flow(ctx, x, v):
+    """The norm blocks, with a while loop reading a variable and a cond between
+    them (the new control edges next to loops and conds); gradients to the
+    input and every variable."""
+    h, kept, weights = _norm_blocks(ctx, x, v)
+    s = ctx.variable("s", np.float64(0.9))
+    _, h = tf.while_loop(lambda i, a: i < 3, lambda i, a: (i + 1, tf.tanh(a * s + v[..., :1])),
+                         [0, h], maximum_iterations=3)
+    h = tf.cond(tf.reduce_sum(h) > 0, lambda: h * s, lambda: tf.sin(h))
+    h2, kept2, _ = _norm_blocks(ctx, h, v[..., :1] + tf.zeros_like(h), prefix="top")
+    return Model(ys=[tf.reduce_sum(h2 * h2)], xs=[x] + list(ctx.variables.values()),
+                 lists={"blocks": kept + [h] + kept2[:-1]})
+
+
+@pytest.mark.slow
+def test_norm_blocks_around_loops_and_conds_equal_stock(runtime):
+    # float64: the chain's sums and rsqrt are sensitive to summation order.
+    assert_matches_stock(gradients_vs_stock(runtime, _norm_blocks_with_control_flow,
+                                            SECOND_INPUTS), rtol=1e-9, atol=1e-12)
