@@ -76,7 +76,6 @@ SECOND_INPUTS = {"x": _normal((2, 5, 5, 3), 30), "v": _normal((2, 5, 5, 3), 31)}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("runtime", ["function", "session"])
 def test_second_order_through_our_gradients_equals_stock(runtime):
     # Second order of tf.gradients (harness: stock) against ours of ours (modes).
     stock = gradients_vs_stock(runtime, _second_order(False), SECOND_INPUTS, modes=())
