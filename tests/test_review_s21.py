@@ -106,3 +106,26 @@ def test_norm_blocks_around_loops_and_conds_equal_stock(runtime):
     # float64: the chain's sums and rsqrt are sensitive to summation order.
     assert_matches_stock(gradients_vs_stock(runtime, _norm_blocks_with_control_flow,
                                             SECOND_INPUTS), rtol=1e-9, atol=1e-12)
+
+
+def _embedding_norm(ctx, ids):
+    """IndexedSlices gradients (a gathered table) into gates, beside a
+    written-out layer norm's broadcast products."""
+    table = ctx.variable("table", _normal((20, 8), 40))
+    scale = ctx.variable("scale", 1.0 + _normal((8,), 41))
+    h, kept = tf.gather(table, ids), []
+    for i in range(4):
+        w = ctx.variable(f"m{i}", _normal((8, 8), 42 + i))
+        y = tf.matmul(h, w)
+        mean, variance = tf.nn.moments(y, [-1], keepdims=True)
+        h = tf.tanh((y - mean) * tf.math.rsqrt(variance + 1e-3) * scale)
+        kept.append(h)
+    return Model(ys=[tf.reduce_sum(h * h)], xs=list(ctx.variables.values()),
+                 lists={"blocks": kept[:-1]})
+
+
+@pytest.mark.parametrize("runtime", ["function", "session"])
+def test_sparse_gradients_through_gates_equal_stock(runtime):
+    ids = np.array([[1, 3, 3, 7], [0, 19, 3, 2]], np.int32)
+    assert_matches_stock(gradients_vs_stock(runtime, _embedding_norm, {"ids": ids}),
+                         rtol=1e-9, atol=1e-12)
