@@ -42,11 +42,16 @@ class Budget:
         problem = strategies.cut_problem(model)
         least = strategies.least_peak(model, problem)
         if least.peak_bytes > self.max_bytes:
+            # The cut model's least-peak candidates are not always the timeline's
+            # least: the 'speed' plan (at worst no cut at all) may be priced lower.
+            least = min(least, strategies.speed(model), key=lambda r: r.peak_bytes)
+        if least.peak_bytes > self.max_bytes:
             raise ValueError(
                 f"no checkpoint plan fits a budget of {describe_bytes(self.max_bytes)}: "
                 f"the smallest feasible budget "
-                f"on this graph is {describe_bytes(least.peak_bytes)} (the 'memory' "
-                f"plan; tf.gradients needs {describe_bytes(least.estimate.baseline_bytes)}). "
+                f"on this graph is {describe_bytes(least.peak_bytes)} (the "
+                f"'{least.strategy}' plan; tf.gradients needs "
+                f"{describe_bytes(least.estimate.baseline_bytes)}). "
                 f"Raise the budget to at least that, or shrink the batch")
         found = strategies.fitting_plan(model, problem, self.max_bytes, self.__name__)
         fitting = [least] + ([found] if found is not None else [])

@@ -42,16 +42,21 @@ def ancestors_among(ops, tensors) -> set:
 
 
 def depends_on(later: tf.Operation, first: tf.Operation) -> bool:
-    """True when a data or control path runs from `first` to `later` (a walk
-    over the whole graph)."""
-    seen, todo = set(), [later]
+    """True when a data or control path runs from `first` to `later`.
+
+    A walk forward from `first` over every consumer and control output (the
+    whole graph, so a path through any op counts): for an op of the
+    tf.gradients call in progress that is at most the rest of that call,
+    where a walk back from `later` read the whole forward graph once per
+    pair asked, quadratic in depth."""
+    seen, todo = set(), [first]
     while todo:
         op = todo.pop()
-        if op is first:
+        if op is later:
             return True
         if op not in seen:
             seen.add(op)
-            todo.extend([t.op for t in op.inputs] + list(op.control_inputs))
+            todo.extend([c for t in op.outputs for c in t.consumers()] + compat.control_outputs(op))
     return False
 
 
@@ -85,6 +90,9 @@ def gate(gradients: list):
         return tf.reduce_any(flags[0] if len(flags) == 1 else tf.concat(flags, axis=0))
 
 
+_MAX_SLICE_RANK = 8
+
+
 def _first_elements(values: list) -> tf.Tensor:
     """A vector of the first element of each of `values` (tensors of one
     dtype; nothing of an empty one).
@@ -94,8 +102,9 @@ def _first_elements(values: list) -> tf.Tensor:
     and making ops is most of a rewrite's time: three ops per tensor made the
     gates a quarter of it on the 256-block MLP. Raw ops, on constants shared
     by the tensors of one rank, made without the op wrappers (compat.new_op).
-    Tensors of unknown or empty shape are flattened and sliced to at most
-    one element.
+    Tensors of unknown or empty shape, or of rank above 8 (StridedSlice's
+    CPU kernel handles at most 8 dimensions), are flattened and sliced to at
+    most one element.
     """
     constants = {}
 
@@ -109,7 +118,7 @@ def _first_elements(values: list) -> tf.Tensor:
         rank = v.shape.rank
         if rank == 0:
             scalars.append(v)
-        elif v.shape.is_fully_defined() and v.shape.num_elements() > 0:
+        elif v.shape.is_fully_defined() and v.shape.num_elements() and rank <= _MAX_SLICE_RANK:
             ones = const(*[1] * rank)
             scalars.append(compat.new_op(
                 "StridedSlice", [v, const(*[0] * rank), ones, ones], T=v.dtype, Index=tf.int32,

@@ -1,0 +1,131 @@
+"""Adversarial cases for the s20 merge (capture index, one-op gates, new
+control edges): gradients must equal stock tf.gradients."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import memory_saving_gradients as msg
+
+from harness import Model, assert_matches_stock, gradients_vs_stock
+
+RANK9 = [2] * 9
+
+
+def _rank9_chain(ctx, x):
+    """A weight of rank 9 (the gates read its gradient), checkpointed chain."""
+    w = ctx.variable("w", np.linspace(0.5, 1.5, 512).reshape(RANK9).astype(np.float32))
+    hs = [x]
+    for _ in range(6):
+        hs.append(tf.tanh(hs[-1] * w))
+    return Model(ys=[tf.reduce_sum(hs[-1] ** 2)], xs=[w, x], lists={"mid": [hs[2], hs[4]]})
+
+
+@pytest.fixture
+def no_grappler():
+    """Grappler off: it happens to rewrite a rank-9 StridedSlice away, which
+    hides the kernel's 8-dimension limit (users may run without it)."""
+    tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": True})
+    yield
+    tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": False})
+
+
+def test_a_gate_over_a_rank_9_gradient_runs(runtime, no_grappler):
+    # The gate's one-op StridedSlice (every axis shrunk) has no CPU kernel
+    # beyond rank 8: "Unhandled input dimensions 9" where stock runs.
+    x = np.linspace(-1, 1, 512).reshape(RANK9).astype(np.float32)
+    assert_matches_stock(gradients_vs_stock(runtime, _rank9_chain, {"x": x}))
+
+
+def _normal(shape, seed):
+    return np.random.default_rng(seed).normal(scale=0.3, size=shape)
+
+
+def _norm_blocks(ctx, x, v, prefix=""):
+    """Conv, a written-out batch norm (sums_first's broadcast products),
+    depthwise conv (a scratch op pair, weight gradient first); checkpointed,
+    float64. ys: a Hessian-vector product through the first gradients."""
+    h, kept = x, []
+    for i in range(3):
+        w = ctx.variable(f"{prefix}w{i}", _normal((3, 3, h.shape[-1], 4), i))
+        d = ctx.variable(f"{prefix}d{i}", _normal((3, 3, 4, 1), 10 + i))
+        gamma = ctx.variable(f"{prefix}gamma{i}", 1.0 + _normal((4,), 20 + i))
+        y = tf.nn.conv2d(h, w, 1, "SAME")
+        mean, variance = tf.nn.moments(y, [0, 1, 2])
+        inv = tf.math.rsqrt(variance + 1e-3) * gamma
+        h = tf.tanh(tf.nn.depthwise_conv2d(y * inv - mean * inv, d, [1, 1, 1, 1], "SAME"))
+        kept.append(h)
+    weights = list(ctx.variables.values())
+    return h, kept, weights
+
+
+def _second_order(ours):
+    def build(ctx, x, v):
+        h, kept, weights = _norm_blocks(ctx, x, v)
+        loss = tf.reduce_sum(h * h)
+        if ours:
+            first = msg.gradients(loss, [x] + weights, checkpoints=kept[:-1])
+        else:
+            first = tf.gradients(loss, [x] + weights)
+        return Model(ys=[tf.reduce_sum(first[0] * v) + sum(tf.reduce_sum(g) for g in first[1:])],
+                     xs=[x] + weights)
+    return build
+
+
+SECOND_INPUTS = {"x": _normal((2, 5, 5, 3), 30), "v": _normal((2, 5, 5, 3), 31)}
+
+
+@pytest.mark.slow
+def test_second_order_through_our_gradients_equals_stock(runtime):
+    # Second order of tf.gradients (harness: stock) against ours of ours (modes).
+    stock = gradients_vs_stock(runtime, _second_order(False), SECOND_INPUTS, modes=())
+    ours = gradients_vs_stock(runtime, _second_order(True), SECOND_INPUTS)
+    for mode, grads in ours.ours.items():
+        for i, (a, b) in enumerate(zip(grads, stock.stock)):
+            np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12, err_msg=f"{mode} #{i}")
+    for a, b in zip(ours.stock, stock.stock):  # stock second order of our first order
+        np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)
+
+
+def _norm_blocks_with_control_flow(ctx, x, v):
+    """The norm blocks, with a while loop reading a variable and a cond between
+    them (the new control edges next to loops and conds); gradients to the
+    input and every variable."""
+    h, kept, weights = _norm_blocks(ctx, x, v)
+    s = ctx.variable("s", np.float64(0.9))
+    _, h = tf.while_loop(lambda i, a: i < 3, lambda i, a: (i + 1, tf.tanh(a * s + v[..., :1])),
+                         [0, h], maximum_iterations=3)
+    h = tf.cond(tf.reduce_sum(h) > 0, lambda: h * s, lambda: tf.sin(h))
+    h2, kept2, _ = _norm_blocks(ctx, h, v[..., :1] + tf.zeros_like(h), prefix="top")
+    return Model(ys=[tf.reduce_sum(h2 * h2)], xs=[x] + list(ctx.variables.values()),
+                 lists={"blocks": kept + [h] + kept2[:-1]})
+
+
+@pytest.mark.slow
+def test_norm_blocks_around_loops_and_conds_equal_stock(runtime):
+    # float64: the chain's sums and rsqrt are sensitive to summation order.
+    assert_matches_stock(gradients_vs_stock(runtime, _norm_blocks_with_control_flow,
+                                            SECOND_INPUTS), rtol=1e-9, atol=1e-12)
+
+
+def _embedding_norm(ctx, ids):
+    """IndexedSlices gradients (a gathered table) into gates, beside a
+    written-out layer norm's broadcast products."""
+    table = ctx.variable("table", _normal((20, 8), 40))
+    scale = ctx.variable("scale", 1.0 + _normal((8,), 41))
+    h, kept = tf.gather(table, ids), []
+    for i in range(4):
+        w = ctx.variable(f"m{i}", _normal((8, 8), 42 + i))
+        y = tf.matmul(h, w)
+        mean, variance = tf.nn.moments(y, [-1], keepdims=True)
+        h = tf.tanh((y - mean) * tf.math.rsqrt(variance + 1e-3) * scale)
+        kept.append(h)
+    return Model(ys=[tf.reduce_sum(h * h)], xs=list(ctx.variables.values()),
+                 lists={"blocks": kept[:-1]})
+
+
+@pytest.mark.parametrize("runtime", ["function", "session"])
+def test_sparse_gradients_through_gates_equal_stock(runtime):
+    ids = np.array([[1, 3, 3, 7], [0, 19, 3, 2]], np.int32)
+    assert_matches_stock(gradients_vs_stock(runtime, _embedding_norm, {"ids": ids}),
+                         rtol=1e-9, atol=1e-12)
