@@ -126,7 +126,10 @@ def memory(model: GraphModel) -> Result:
     """
     problem = cut_problem(model)
     least = least_peak(model, problem)
-    cheaper = fitting_plan(model, problem, least.peak_bytes, "memory")
+    # Loops stay as the model has them (rerun in chunks): a kept loop's stacks
+    # often tie at a peak set elsewhere on a small model, and 'memory' is the
+    # mode that reruns loops to save their memory.
+    cheaper = _fitting(model, problem, least.peak_bytes, "memory", planning.LoopModes())
     if cheaper is None or cheaper.recompute_flops >= least.recompute_flops:
         return least
     return dataclasses.replace(cheaper, notes=cheaper.notes + (
