@@ -191,7 +191,7 @@ def _plan(ys, xs, checkpoints):
         num_recomputed_ops=plan.num_recomputed_ops,
         num_forward_ops=model.num_region_ops,
         estimate=result.estimate,
-        notes=result.notes + loop_chunks.describe(graph, read.region),
+        notes=result.notes + loop_chunks.describe(graph, read.region, plan.loops.stacked),
         plan=plan,
         model=model,
         reading=read,

@@ -137,12 +137,16 @@ def from_model(model: GraphModel, max_cuts=None, cut_after=None) -> CutProblem:
     return dataclasses.replace(problem, cuts=np.union1d(problem.cuts, wanted).astype(np.int64))
 
 
-def rerun_by_pinned(model: GraphModel) -> set:
+def rerun_by_pinned(model: GraphModel, kept_loops=frozenset()) -> set:
     """Activations a plan recomputes whatever it keeps: those a recomputable pinned
-    tensor is rebuilt from, back to the nearest pinned ones (`planning.segment`). O(n)."""
-    pinned, tensors, graph = model.pinned, model.tensors, model.graph
+    tensor is rebuilt from, back to the nearest pinned ones (`planning.segment`). O(n).
+
+    `kept_loops`: loops the plan differentiates where they are
+    (`planning.LoopModes`): their outputs are kept and not rebuilt."""
+    tensors, graph = model.tensors, model.graph
+    pinned = model.pinned | {t for op in kept_loops for t in model.op_outputs[op]}
     found = set()
-    stack = [t for t in pinned if tensors[t].recomputable]
+    stack = [t for t in pinned if tensors[t].recomputable and tensors[t].op not in kept_loops]
     while stack:
         for p in graph.predecessors(stack.pop()):
             if p not in pinned and p not in found:

@@ -15,11 +15,11 @@ from memory_saving_gradients.core import loop_chunking
 
 class LoopEvents:
     """Mixed into `timeline._Replay`: uses its model, plan facts (`planned`,
-    `copied`) and buffer book-keeping (`_alloc`, `_use`, `_scratch`,
+    `copied`, `stacked`) and buffer book-keeping (`_alloc`, `_use`, `_scratch`,
     `recompute_flops`)."""
 
-    def _chunked(self, loop):
-        return self.planned and loop.chunk_size is not None
+    def _chunked(self, op, loop):
+        return self.planned and loop.chunk_size is not None and op not in self.stacked
 
     def _saves_states(self, op, loop):
         """Whether the chunked loop `op`'s boundaries come from its forward run."""
@@ -29,7 +29,7 @@ class LoopEvents:
     def _reuses_forward(self, op):
         """A recomputed chunked loop that takes the forward run's outputs (no rerun)."""
         loop = self.model.loops.get(op)
-        return (loop is not None and self._chunked(loop) and op in self.copied
+        return (loop is not None and self._chunked(op, loop) and op in self.copied
                 and loop.states_saved_when_recomputed)
 
     def _loop_forward(self, op, loop, where):
@@ -41,7 +41,7 @@ class LoopEvents:
         is without saved boundaries makes them in its gradient.
         """
         original = where == ("fwd",)
-        if self._chunked(loop):
+        if self._chunked(op, loop):
             if original == self._saves_states(op, loop):
                 self._alloc(("loop", where, op), loop_chunking.boundary_bytes(loop))
         elif not original:  # rerun whole: its stacks, and its lists written again
@@ -53,7 +53,7 @@ class LoopEvents:
     def _loop_backward(self, op, loop, where):
         """A loop's gradient frees what it kept; a chunked one reruns each chunk
         (after a chain of chunks makes its boundaries, if nothing saved them)."""
-        if self._chunked(loop):
+        if self._chunked(op, loop):
             self._use(("loop", ("fwd",), op))
             self._use(("loop", where, op))
             chain = op not in self.copied and not loop.states_saved_in_place

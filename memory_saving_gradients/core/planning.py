@@ -30,6 +30,25 @@ class Level:
 
 
 @dataclasses.dataclass(frozen=True)
+class LoopModes:
+    """How a plan differentiates the rerunnable While loops it names (op names).
+
+    A loop in neither set is the model's default: rerun in chunks (or whole)
+    by the level that rebuilds it, or in chunks where it is in the tail.
+
+    Attributes:
+      in_place: loops whose outputs are kept and whose original op is
+        differentiated where it is, in chunks from the states its forward run
+        saved (one more run of the loop instead of one or two in a level).
+      stacked: loops differentiated where they are (as `in_place`) by the
+        stock gradient: every iteration's stacks kept from the forward pass,
+        no rerun at all.
+    """
+    in_place: frozenset = frozenset()
+    stacked: frozenset = frozenset()
+
+
+@dataclasses.dataclass(frozen=True)
 class Plan:
     """What the rewrite will do.
 
@@ -39,12 +58,14 @@ class Plan:
       chosen: the checkpoints the strategy chose (without pinned ones).
       levels: processed from last to first during backprop.
       notes: human-readable remarks (fallbacks taken, inputs ignored).
+      loops: how its rerunnable loops are differentiated (`LoopModes`).
     """
     strategy: str
     kept: tuple
     chosen: tuple
     levels: tuple
     notes: tuple = ()
+    loops: LoopModes = LoopModes()
 
     @property
     def num_recomputed_ops(self) -> int:
@@ -60,17 +81,17 @@ def expand_to_ops(model: GraphModel, names: Iterable[str]) -> set:
     return {o for n in names for o in model.op_outputs[model.op_of(n)]}
 
 
-def segment(model: GraphModel, root: str, checkpoints) -> tuple[set, set]:
+def segment(model: GraphModel, root: str, checkpoints, in_place=frozenset()) -> tuple[set, set]:
     """Tensors recomputed to rebuild `root` from the checkpoints above it.
 
     Returns (recomputed tensor names, checkpoints read). A root that cannot be
-    recomputed is differentiated as it is. A recomputable root is always
+    recomputed, or is an output of an op in `in_place`, is differentiated as it is. A recomputable root is always
     copied, even when every activation it reads is kept, so its gradient reads
     this level's inputs; TensorFlow never runs such a copy if its gradient
     does not read its output (matmuls, convolutions). O(size of the segment).
     """
     graph = model.graph
-    if not model.tensors[root].recomputable:
+    if not model.tensors[root].recomputable or model.op_of(root) in in_place:
         return set(), set(graph.predecessors(root))
     recomputed, needed = {root}, set()
     stack = [root]
@@ -82,6 +103,13 @@ def segment(model: GraphModel, root: str, checkpoints) -> tuple[set, set]:
                 recomputed.add(p)
                 stack.append(p)
     return recomputed, needed
+
+
+def kept_by_loops(model: GraphModel, loops) -> set:
+    """What differentiating `loops` where they are keeps: their outputs, and
+    the activations they read (their gradient reads the originals)."""
+    rows = op_table.rows(model)
+    return {t for op in loops for t in model.op_outputs[op] + rows[op].inputs}
 
 
 def split_ops(model, checkpoints, segments, groups):
@@ -120,8 +148,10 @@ def _top_region(model, checkpoints):
     return seen
 
 
-def make_plan(model: GraphModel, chosen: Iterable[str], strategy: str, notes=()) -> Plan:
-    """Builds the Plan that keeps `chosen` plus the model's pinned tensors.
+def make_plan(model: GraphModel, chosen: Iterable[str], strategy: str, notes=(),
+              loops: LoopModes = LoopModes()) -> Plan:
+    """Builds the Plan that keeps `chosen` plus the model's pinned tensors, and
+    the outputs of the loops `loops` differentiates where they are.
 
     Each checkpoint's segment is the ops between it and the nearest checkpoints
     above it. Checkpoints are grouped into levels (layers of the dependency
@@ -134,9 +164,11 @@ def make_plan(model: GraphModel, chosen: Iterable[str], strategy: str, notes=())
                               lambda m: {n: i for i, n in enumerate(m.order)})
     op_rank = op_table.per_model(model, "op_rank",
                                  lambda m: {op: i for i, op in enumerate(op_table.order(m))})
-    checkpoints = expand_to_ops(model, chosen) | set(model.pinned)
+    in_place = loops.in_place | loops.stacked
+    checkpoints = (expand_to_ops(model, chosen) | set(model.pinned)
+                   | expand_to_ops(model, kept_by_loops(model, in_place)))
     while True:
-        segments = {c: segment(model, c, checkpoints) for c in checkpoints}
+        segments = {c: segment(model, c, checkpoints, in_place) for c in checkpoints}
         groups = _layers({c: read for c, (_, read) in segments.items()}, rank)
         split = split_ops(model, checkpoints, segments, groups)
         if not split:
@@ -155,7 +187,7 @@ def make_plan(model: GraphModel, chosen: Iterable[str], strategy: str, notes=())
     return Plan(strategy=strategy,
                 kept=tuple(sorted(checkpoints, key=rank.__getitem__)),
                 chosen=tuple(sorted(expand_to_ops(model, chosen), key=rank.__getitem__)),
-                levels=tuple(levels), notes=tuple(notes))
+                levels=tuple(levels), notes=tuple(notes), loops=loops)
 
 
 def _layers(deps, rank):

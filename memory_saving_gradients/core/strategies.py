@@ -24,6 +24,7 @@ import numpy as np
 
 from memory_saving_gradients.core import collector
 from memory_saving_gradients.core import cuts
+from memory_saving_gradients.core import loop_plans
 from memory_saving_gradients.core import op_table
 from memory_saving_gradients.core import planning
 from memory_saving_gradients.core import pricing
@@ -71,27 +72,32 @@ class Result:
         return self.estimate.recompute_flops
 
 
-def result_of(model: GraphModel, names, strategy, notes=(), feasible=True) -> Result:
-    """Plans and prices keeping `names`: the common end of every strategy."""
-    plan, estimate = _priced(model, frozenset(names))
-    plan = dataclasses.replace(plan, strategy=strategy, notes=tuple(notes))
+def result_of(model: GraphModel, names, strategy, notes=(), feasible=True,
+              loops=planning.LoopModes()) -> Result:
+    """Plans and prices keeping `names` (and the loops `loops` keeps): the
+    common end of every strategy."""
+    plan, estimate = _priced(model, frozenset(names), loops)
+    notes = tuple(notes) + loop_plans.describe(loops)
+    plan = dataclasses.replace(plan, strategy=strategy, notes=notes)
     return Result(strategy=strategy, chosen=plan.chosen, feasible=feasible,
                   notes=tuple(notes), plan=plan, estimate=estimate)
 
 
-def _priced(model, names):
-    """(plan, estimate) of keeping `names`, once per model and set of names: the
-    searches meet the same plans more than once (a budget's first fit is often
-    one of the least-peak candidates), and each costs a replay of the model."""
+def _priced(model, names, loops):
+    """(plan, estimate) of keeping `names` under `loops`, once per model, set of
+    names and loop modes: the searches meet the same plans more than once (a
+    budget's first fit is often one of the least-peak candidates), and each
+    costs a replay of the model."""
     seen = op_table.per_model(model, "priced", lambda _: {})
-    if names not in seen:
+    key = names, loops
+    if key not in seen:
         if len(seen) >= MAX_PRICED:
             seen.clear()
-        plan = planning.make_plan(model, names, "")
+        plan = planning.make_plan(model, names, "", loops=loops)
         # Sets differing only in tensors kept anyway (pinned, split) make one plan.
-        same = [e for p, e in seen.values() if p.kept == plan.kept]
-        seen[names] = plan, same[0] if same else pricing.predict(model, plan)
-    return seen[names]
+        same = [e for p, e in seen.values() if (p.kept, p.loops) == (plan.kept, loops)]
+        seen[key] = plan, same[0] if same else pricing.predict(model, plan)
+    return seen[key]
 
 
 def explicit(model: GraphModel, names, strategy="list") -> Result:
@@ -120,7 +126,10 @@ def memory(model: GraphModel) -> Result:
     """
     problem = cut_problem(model)
     least = least_peak(model, problem)
-    cheaper = fitting_plan(model, problem, least.peak_bytes, "memory")
+    # Loops stay as the model has them (rerun in chunks): a kept loop's stacks
+    # often tie at a peak set elsewhere on a small model, and 'memory' is the
+    # mode that reruns loops to save their memory.
+    cheaper = _fitting(model, problem, least.peak_bytes, "memory", planning.LoopModes())
     if cheaper is None or cheaper.recompute_flops >= least.recompute_flops:
         return least
     return dataclasses.replace(cheaper, notes=cheaper.notes + (
@@ -138,18 +147,29 @@ def least_peak(model: GraphModel, problem=None) -> Result:
 
 
 def fitting_plan(model: GraphModel, problem, max_bytes, name) -> Optional[Result]:
-    """The cut model's least-recompute plan whose predicted peak is at most
-    `max_bytes`, or None. The simulator sees more than the cut model: when a
-    plan overshoots, the cut model's budget is lowered by the overshoot; when
-    that would find the same plan again (its cut-model peak is often well
-    under the budget that found it), to `max_bytes` less the excess of the
-    simulator's peak over the cut model's on that plan."""
+    """The least-recompute plan whose predicted peak is at most `max_bytes`, or
+    None: `_fitting` under each way of differentiating the model's rerunnable
+    loops (`loop_plans.settings`: rerun by their levels, or kept), the least
+    predicted recompute of those that fit (ties: the first, loops rerun)."""
+    found = [_fitting(model, loop_plans.adjusted(problem, model, modes), max_bytes, name, modes)
+             for modes in loop_plans.settings(model)]
+    return min((r for r in found if r is not None), key=lambda r: r.recompute_flops,
+               default=None)
+
+
+def _fitting(model, problem, max_bytes, name, loops) -> Optional[Result]:
+    """The cut model's least-recompute plan under `loops` whose predicted peak
+    is at most `max_bytes`, or None. The simulator sees more than the cut
+    model: when a plan overshoots, the cut model's budget is lowered by the
+    overshoot; when that would find the same plan again (its cut-model peak is
+    often well under the budget that found it), to `max_bytes` less the
+    excess of the simulator's peak over the cut model's on that plan."""
     target = max_bytes
     for _ in range(FIT_RETRIES):
         found = solvers.least_recompute(problem, target)
         if found is None:
             return None
-        tried = result_of(model, tensors_of(model, found.cost.kept_ops), name)
+        tried = result_of(model, tensors_of(model, found.cost.kept_ops), name, loops=loops)
         if tried.peak_bytes <= max_bytes:
             return tried
         target -= tried.peak_bytes - max_bytes

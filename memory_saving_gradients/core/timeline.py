@@ -92,7 +92,7 @@ def predict(model: GraphModel, plan: Optional[Plan] = None) -> Estimate:
     if plan is None:
         peak, recompute, largest, kept = baseline, 0, 0, 0
     else:
-        replay = _Replay(model)
+        replay = _Replay(model, stacked=plan.loops.stacked)
         peak = replay.run(plan.levels)
         recompute, largest = replay.recompute_flops, replay.largest_level_bytes
         kept = model.bytes_of(plan.kept)
@@ -112,7 +112,8 @@ def with_allocator_peaks(model: GraphModel, plan: Optional[Plan],
     """
     stock = op_table.per_model(model, "allocator_baseline",
                                lambda m: _allocator_peak(_Replay(m, stock=True), ()))
-    planned = stock if plan is None else _allocator_peak(_Replay(model), plan.levels)
+    planned = stock if plan is None else _allocator_peak(
+        _Replay(model, stacked=plan.loops.stacked), plan.levels)
     return dataclasses.replace(estimate, allocator_peak_bytes=planned,
                                allocator_baseline_bytes=stock)
 
@@ -160,12 +161,14 @@ class _Replay(LoopEvents):
 
     `stock`: replay stock tf.gradients, whose gradient ops' scratch is
     `model.stock_workspace` where it differs from the rewrite's, and whose
-    loops keep every iteration (ours may chunk them).
+    loops keep every iteration (ours may chunk them). `stacked`: the loops the
+    plan leaves to the stock gradient too (`planning.LoopModes`).
     """
 
-    def __init__(self, model, stock=False):
+    def __init__(self, model, stock=False, stacked=frozenset()):
         self.model = model
         self.planned = not stock
+        self.stacked = stacked
         self.workspace = {**model.workspace, **model.stock_workspace} if stock else model.workspace
         self.copied = frozenset()  # ops the levels copy: their originals get no gradient
         self.tensors = model.tensors

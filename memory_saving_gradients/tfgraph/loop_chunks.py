@@ -107,9 +107,11 @@ def rerunnable_in(graph: tf.Graph, region: Iterable[str]) -> set:
     return loops.rerunnable_loops({graph.get_tensor_by_name(n).op for n in region})
 
 
-def describe(graph: tf.Graph, region: Iterable[str]) -> tuple:
-    """One note per rerunnable loop of `region`: its chunk size, or why none."""
-    found = sorted(rerunnable_in(graph, region), key=lambda op: op.name)
+def describe(graph: tf.Graph, region: Iterable[str], described=frozenset()) -> tuple:
+    """One note per rerunnable loop of `region`: its chunk size, or why none;
+    none for the loops named in `described` (the plan's notes say what it does)."""
+    found = sorted((op for op in rerunnable_in(graph, region) if op.name not in described),
+                   key=lambda op: op.name)
     return tuple(f"loop {loop.name}: {chunking(loop)[1]}" for loop in found)
 
 

@@ -49,11 +49,14 @@ def backprop(reading: Reading, plan: Plan, ys, xs, grad_ys, stop_gradients, tf_k
     graph = ys[0].graph
     run = _Backprop(reading, plan, xs, stop_gradients, tf_kwargs, graph)
     region_ops = {graph.get_tensor_by_name(n).op for n in reading.region}
-    # Loops differentiated where they are (not copied) are rerun in chunks too;
+    # Loops differentiated where they are (not copied) are rerun in chunks too,
+    # but those the plan leaves to the stock gradient (`LoopModes.stacked`);
     # unit-stride convolutions, originals and copies, get gradients without
     # the CPU kernels' scratch, and XLA-compiled depthwise ones without XLA's.
     # Our many tf.gradients calls look captures up by index (capture_lookup.py).
-    with loop_chunks.chunked_gradients(loop_chunks.rerunnable_in(graph, reading.region)), \
+    chunked = {op for op in loop_chunks.rerunnable_in(graph, reading.region)
+               if op.name not in plan.loops.stacked}
+    with loop_chunks.chunked_gradients(chunked), \
             conv_gradients.scratch_free_gradients(region_ops), \
             grouped_conv_calls.native_gradients(region_ops), capture_lookup.indexed():
         run.to_checkpoints(ys, grad_ys)
