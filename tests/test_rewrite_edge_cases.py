@@ -1,5 +1,6 @@
-"""Adversarial cases for the s20 merge (capture index, one-op gates, new
-control edges): gradients must equal stock tf.gradients."""
+"""Edge cases of the capture index, the one-op gates and the ordering edges
+(rank 9, second order, loops and conds beside norm blocks, sparse gradients):
+gradients must equal stock tf.gradients'."""
 
 import numpy as np
 import pytest
