@@ -13,7 +13,8 @@ seeds: one `fit` step of each, updates compared (`update_rel_err`); then
 two warm-up steps each, steps of the two alternate (ABBA order), each one `fit` call on
 one batch, timed and its
 allocator peak taken (peak above the memory in use at its start), medians
-kept. Activation memory is peak minus the weight-gradient bytes. A second
+kept; then one profiled step each for the peak of bytes requested. Activation
+memory is peak minus the weight-gradient bytes. A second
 subprocess per method searches the largest batch whose `fit` step peaks under
 the cap (benchmarks.search.max_batch). With --accumulation-steps N, ours runs
 once more with Keras gradient accumulation (SGD, gradient_accumulation_steps=N):
@@ -139,6 +140,8 @@ def update_rel_err(model, twin, initial):
 
 def measure(job):
     """One method beside its stock twin: correctness, peak and time per fit step."""
+    from benchmarks.live_set_diff import allocator_events
+    from benchmarks.live_set_diff import requested_peak
     row = dict(job, status="ok")
     model = build(job["method"], job["layers"], job["seq"], job.get("accumulation_steps"))
     x, y = data(job["batch"], job["seq"])
@@ -164,6 +167,14 @@ def measure(job):
         row[f"{prefix}step_cpu_s"] = statistics.median(cpu_times)
         row[f"{prefix}peak_bytes"] = int(statistics.median(peaks))
         row[f"{prefix}activation_bytes"] = row[f"{prefix}peak_bytes"] - grad_bytes
+    # Bytes requested (one profiled step each): independent of the chunks BFC
+    # hands out, which moved the allocator's ratio by up to 0.05 between processes.
+    for name, fitted in pair:
+        prefix = "" if name == "step" else "twin_"
+        events = allocator_events(lambda a, b, m=fitted: fit_step(m, a, b), x, y)
+        row[f"{prefix}requested_activation_bytes"] = requested_peak(events) - grad_bytes
+    row["requested_activation_ratio"] = (row["requested_activation_bytes"]
+                                         / row["twin_requested_activation_bytes"])
     row["time_ratio"] = row["step_s"] / row["twin_step_s"]
     row["cpu_time_ratio"] = row["step_cpu_s"] / row["twin_step_cpu_s"]
     row["activation_ratio"] = row["activation_bytes"] / row["twin_activation_bytes"]

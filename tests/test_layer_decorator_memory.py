@@ -63,8 +63,10 @@ def test_decorated_stack_uses_less_activation_memory():
 
 
 def _decorator_activation_ratio(tmp_path, env_update: dict) -> float:
-    """Ours' activation memory over stock's, measured by the decorator benchmark
-    (a fresh process: thread counts are fixed when TensorFlow starts)."""
+    """Ours' activation memory over stock's in bytes requested, measured by the
+    decorator benchmark (a fresh process: thread counts are fixed when TensorFlow
+    starts). The allocator's ratios (0.25-0.28 default, 0.33-0.37 one thread)
+    vary with the chunks BFC hands out; they once differed by 0.109."""
     out = tmp_path / "threads_{}".format(env_update.get("TF_NUM_INTEROP_THREADS", "default"))
     command = [sys.executable, "-m", "benchmarks.layer_decorator", "--layers", "4", "--seq", "64",
                "--batch", "8", "--steps", "2", "--no-max-batch",
@@ -75,7 +77,7 @@ def _decorator_activation_ratio(tmp_path, env_update: dict) -> float:
     rows = [json.loads(line) for line in open(f"{out}.jsonl")]
     (ours,) = [row for row in rows if row["method"] == "ours(@recompute_grad)"]
     assert ours["status"] == "ok" and ours["update_rel_err"] < 1e-5, ours
-    return ours["activation_ratio"]
+    return ours["requested_activation_ratio"]
 
 
 @pytest.mark.slow
