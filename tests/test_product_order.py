@@ -105,21 +105,3 @@ def test_no_edge_where_the_sum_needs_the_sibling_through_other_ops():
                if op.type != "Placeholder" and op is not elsewhere.op]
     assert product_order.sums_first(new_ops, [reduction, sibling]) == 0
     assert not sibling.op.control_inputs
-
-
-def test_no_edge_for_a_sibling_holding_another_large_tensor():
-    # A layer norm's gradient (BERT): `sum(grad * mul)` shrinks to the mean's
-    # gradient; `grad * mul` and `grad * small` read nothing else large and
-    # wait, but `grad * x` would keep `x`, which the sum does not read, alive past it.
-    graph = tf.Graph()
-    with graph.as_default():
-        grad, mul, x = (tf.compat.v1.placeholder(tf.float32, [64, 8]) for _ in range(3))
-        small = tf.compat.v1.placeholder(tf.float32, [64, 1])
-        reduction = tf.reduce_sum(grad * mul, 1)
-        same_inputs, scaled, holding = grad * mul, grad * small, grad * x
-    new_ops = [op for op in graph.get_operations() if op.type != "Placeholder"]
-    gradients = [reduction, same_inputs, scaled, holding]
-    assert product_order.sums_first(new_ops, gradients) == 2
-    assert reduction.op in same_inputs.op.control_inputs
-    assert reduction.op in scaled.op.control_inputs
-    assert reduction.op not in holding.op.control_inputs
