@@ -86,20 +86,9 @@ def _siblings(product: tf.Operation, among: set) -> list:
         for reader in shared.consumers():
             if (reader is not product and reader in among and reader not in found
                     and reader.type in op_kinds.FORWARDING_OP_TYPES
-                    and _same_shape(reader.outputs[0], shared)
-                    and not _holds_other(reader, product, shared)):
+                    and _same_shape(reader.outputs[0], shared)):
                 found.append(reader)
     return found
-
-
-def _holds_other(reader: tf.Operation, product: tf.Operation, shared: tf.Tensor) -> bool:
-    """True when `reader` reads a large tensor that `product` does not: made to
-    wait for the sum, it would keep that tensor alive past it, where it may have
-    been freed before (a layer norm's `x * grad` beside `sum(mul * grad)`)."""
-    large = op_kinds.tensor_elements(shared) // _SHRINK
-    read_by_product = {id(t) for t in product.inputs}  # by identity: == on tensors makes ops
-    return any(id(t) not in read_by_product and op_kinds.tensor_elements(t) > large
-               for t in reader.inputs)
 
 
 def _same_shape(a: tf.Tensor, b: tf.Tensor) -> bool:
