@@ -18,14 +18,12 @@ import sys
 import tensorflow as tf
 
 from memory_saving_gradients.tfgraph import profiled_allocations
-from memory_saving_gradients.tfgraph import workspace
 
 # A 3x3 convolution whose gradient kernels take an im2col buffer well under the
 # 32 MiB region BFC would grow for it: 8 x 8 x 8 x 128 -> 32 channels.
 _PROBE = """
 import json
 import tensorflow as tf
-from memory_saving_gradients.tfgraph import workspace
 with tf.Graph().as_default():
     x = tf.compat.v1.placeholder(tf.float32, [8, 8, 8, 128])
     y = tf.nn.conv2d(x, tf.zeros([3, 3, 128, 32]), 1, "SAME")
