@@ -12,7 +12,6 @@ the bytes requested; the probe must agree with them.
 
 import json
 import os
-import pathlib
 import subprocess
 import sys
 
@@ -25,7 +24,6 @@ from memory_saving_gradients.tfgraph import profiled_allocations
 _PROBE = """
 import json
 import tensorflow as tf
-from memory_saving_gradients.tfgraph import workspace
 with tf.Graph().as_default():
     x = tf.compat.v1.placeholder(tf.float32, [8, 8, 8, 128])
     y = tf.nn.conv2d(x, tf.zeros([3, 3, 128, 32]), 1, "SAME")
@@ -34,10 +32,8 @@ with tf.Graph().as_default():
 
 
 def _probe(environment):
-    root = pathlib.Path(__file__).resolve().parent.parent  # this checkout's package
-    done = subprocess.run([sys.executable, "-c", _PROBE],
-                          env={**environment, "PYTHONPATH": str(root)},
-                          check=True, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", _PROBE], env=environment, check=True,
+                          capture_output=True, text=True, timeout=300)
     return json.loads(done.stdout.splitlines()[-1])
 
 
