@@ -27,16 +27,16 @@ def allocator_events(call) -> list:
     """(time ps, +/-chunk bytes, addr, op, shape, bytes requested) of the
     allocations `call()` makes, in time order (profiled; raises if another
     profiler session is running)."""
+    logdir = tempfile.mkdtemp()
+    tf.profiler.experimental.start(logdir)
+    try:
+        call()
+    finally:
+        tf.profiler.experimental.stop()
     events = []
-    with tempfile.TemporaryDirectory() as logdir:
-        tf.profiler.experimental.start(logdir)
-        try:
-            call()
-        finally:
-            tf.profiler.experimental.stop()
-        for path in glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True)[-1:]:
-            for plane in compat.xspace_from_file(path).planes:
-                events += _plane_events(plane)
+    for path in glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True)[-1:]:
+        for plane in compat.xspace_from_file(path).planes:
+            events += _plane_events(plane)
     return sorted(events)
 
 
