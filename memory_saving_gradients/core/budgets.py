@@ -39,6 +39,12 @@ class Budget:
 
     def __call__(self, model) -> strategies.Result:
         """The plan; ValueError naming the smallest feasible budget if none fits."""
+        stock = strategies.stock(model, self.__name__)
+        if stock.peak_bytes <= self.max_bytes:  # no recompute at all fits
+            return dataclasses.replace(stock, notes=(
+                f"tf.gradients' predicted peak of {describe_bytes(stock.peak_bytes)} fits "
+                f"within {describe_bytes(self.max_bytes)}: the stock gradient, every "
+                f"activation kept, nothing recomputed",))
         problem = strategies.cut_problem(model)
         least = strategies.least_peak(model, problem)
         if least.peak_bytes > self.max_bytes:

@@ -59,6 +59,8 @@ class Plan:
       levels: processed from last to first during backprop.
       notes: human-readable remarks (fallbacks taken, inputs ignored).
       loops: how its rerunnable loops are differentiated (`LoopModes`).
+      stock: the stock gradient itself (`stock_plan`): every activation kept
+        as tf.gradients keeps it, nothing recomputed, no rewrite.
     """
     strategy: str
     kept: tuple
@@ -66,6 +68,7 @@ class Plan:
     levels: tuple
     notes: tuple = ()
     loops: LoopModes = LoopModes()
+    stock: bool = False
 
     @property
     def num_recomputed_ops(self) -> int:
@@ -188,6 +191,17 @@ def make_plan(model: GraphModel, chosen: Iterable[str], strategy: str, notes=(),
                 kept=tuple(sorted(checkpoints, key=rank.__getitem__)),
                 chosen=tuple(sorted(expand_to_ops(model, chosen), key=rank.__getitem__)),
                 levels=tuple(levels), notes=tuple(notes), loops=loops)
+
+
+def stock_plan(strategy: str, notes=()) -> Plan:
+    """The plan that changes nothing: tf.gradients as it is (no checkpoint,
+    no level, loops and convolutions differentiated by their stock gradients).
+
+    No set of checkpoints expresses it: keeping every activation still copies
+    each recomputable root (`segment`), and keeping none reruns everything.
+    """
+    return Plan(strategy=strategy, kept=(), chosen=(), levels=(), notes=tuple(notes),
+                stock=True)
 
 
 def _layers(deps, rank):

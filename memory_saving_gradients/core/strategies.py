@@ -9,6 +9,7 @@ TensorFlow. `run` resolves what a user passed as ``checkpoints=``:
   timeline); among plans of that predicted peak, the least recompute.
 * 'speed': the same, recomputing only cheap ops (never a matmul,
   convolution or einsum), so at most one extra forward pass of cheap ops.
+  Both are tf.gradients itself (`stock`) when no plan is predicted below it.
 * a sequence of tensor names: keep exactly those ('list', 'collection').
 * any other callable: a custom strategy receiving the GraphModel and
   returning the names of the tensors to keep, or a Result
@@ -126,6 +127,8 @@ def memory(model: GraphModel) -> Result:
     """
     problem = cut_problem(model)
     least = least_peak(model, problem)
+    if least.plan.stock:  # nothing recomputes less
+        return least
     # Loops stay as the model has them (rerun in chunks): a kept loop's stacks
     # often tie at a peak set elsewhere on a small model, and 'memory' is the
     # mode that reruns loops to save their memory.
@@ -189,15 +192,7 @@ def speed(model: GraphModel) -> Result:
     problem = cuts.from_model(model, MAX_CUTS, EXPENSIVE_OP_TYPES.__contains__)
     expensive = np.array([tensors[model.op_outputs[op][0]].op_type in EXPENSIVE_OP_TYPES
                           for op in problem.ops], bool)
-    result = _solved(model, "speed", expensive, problem)
-    # A plan that saves nothing would still cost its recompute and, with
-    # hundreds of levels, minutes of graph building (residual MLPs: every
-    # tensor a gradient reads is a matmul input, which only a matmul rebuilds).
-    if result.peak_bytes < result.estimate.baseline_bytes:
-        return result
-    return result_of(model, set(), "speed", (
-        f"the least-peak cheap plan was predicted to save nothing against "
-        f"tf.gradients ({result.peak_bytes / 2**20:.1f} MiB); kept only what must be kept",))
+    return _solved(model, "speed", expensive, problem)
 
 
 def cut_problem(model: GraphModel):
@@ -220,7 +215,25 @@ def _solved(model, name, forbidden, problem=None):
                 f"cut model's {CANDIDATE_PLANS} best plans (cut model: "
                 f"{found.cost.peak_bytes / 2**20:.1f} MiB)")
         priced.append(result_of(model, names, name, (note,)))
-    return min(priced, key=lambda r: (r.peak_bytes, r.recompute_flops))
+    best = min(priced, key=lambda r: (r.peak_bytes, r.recompute_flops))
+    if best.peak_bytes < best.estimate.baseline_bytes:
+        return best
+    # A plan that saves nothing would still cost its recompute (and, with
+    # hundreds of levels, minutes of graph building): a user asking for less
+    # memory never gets more than tf.gradients' own (the timeline sees
+    # gradients and scratch the cut model does not, so its best can be above).
+    return stock(model, name, (
+        f"no plan was predicted below tf.gradients' peak of "
+        f"{best.estimate.baseline_bytes / 2**20:.1f} MiB (the best of the cut model's "
+        f"{len(priced)}: {best.peak_bytes / 2**20:.1f} MiB): the stock gradient, "
+        f"every activation kept, nothing recomputed",))
+
+
+def stock(model: GraphModel, strategy, notes=()) -> Result:
+    """tf.gradients itself (`planning.stock_plan`): no recompute, its own peak."""
+    plan = planning.stock_plan(strategy, notes)
+    return Result(strategy=strategy, chosen=(), feasible=True, notes=tuple(notes),
+                  plan=plan, estimate=pricing.predict(model, plan))
 
 
 def tensors_of(model: GraphModel, ops):
@@ -262,8 +275,9 @@ def select(model: GraphModel, mode: str, names=(), strategy=None) -> Result:
         result = _custom(model, strategy)
     else:
         result = explicit(model, names, mode)
-    logger.info("memory_saving_gradients: strategy %s keeps %d tensors; %s",
-                result.strategy, len(result.chosen), "; ".join(result.notes) or "-")
+    logger.info("memory_saving_gradients: strategy %s %s; %s", result.strategy,
+                "leaves the gradient to tf.gradients" if result.plan.stock
+                else f"keeps {len(result.chosen)} tensors", "; ".join(result.notes) or "-")
     return result
 
 

@@ -89,7 +89,7 @@ def predict(model: GraphModel, plan: Optional[Plan] = None) -> Estimate:
     about (n + 2) * b: the outputs plus two gradients in flight.
     """
     baseline = _baseline_peak(model)
-    if plan is None:
+    if plan is None or plan.stock:
         peak, recompute, largest, kept = baseline, 0, 0, 0
     else:
         replay = _Replay(model, stacked=plan.loops.stacked)
@@ -112,7 +112,7 @@ def with_allocator_peaks(model: GraphModel, plan: Optional[Plan],
     """
     stock = op_table.per_model(model, "allocator_baseline",
                                lambda m: _allocator_peak(_Replay(m, stock=True), ()))
-    planned = stock if plan is None else _allocator_peak(
+    planned = stock if plan is None or plan.stock else _allocator_peak(
         _Replay(model, stacked=plan.loops.stacked), plan.levels)
     return dataclasses.replace(estimate, allocator_peak_bytes=planned,
                                allocator_baseline_bytes=stock)

@@ -46,6 +46,10 @@ from memory_saving_gradients.tfgraph.reading import Reading
 def backprop(reading: Reading, plan: Plan, ys, xs, grad_ys, stop_gradients, tf_kwargs,
              unconnected) -> list:
     """Gradients of `ys` with respect to `xs` under `plan`. Returns a list."""
+    if plan.stock:  # predicted to save nothing: tf.gradients itself, no op of ours
+        return list(compat.stock_gradients(ys, xs, grad_ys, name="backprop",
+                                           stop_gradients=list(stop_gradients),
+                                           unconnected_gradients=unconnected, **tf_kwargs))
     graph = ys[0].graph
     run = _Backprop(reading, plan, xs, stop_gradients, tf_kwargs, graph)
     region_ops = {graph.get_tensor_by_name(n).op for n in reading.region}

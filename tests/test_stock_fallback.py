@@ -1,0 +1,80 @@
+"""'memory' and 'speed' never predicted above tf.gradients; budgets at or above it recompute nothing.
+
+The timeline sees gradients and scratch buffers the cut model does not, so
+the cut model's best plans can be priced above the stock gradient (random
+planner models: 157 against 67 MiB). A user asking for less memory then
+gets tf.gradients itself (`strategies.stock`), which the rewrite leaves to
+TensorFlow: the gradients are tf.gradients', and no op is recomputed.
+"""
+
+import logging
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import memory_saving_gradients as msg
+from memory_saving_gradients.core import pricing
+from memory_saving_gradients.core import strategies
+from random_models import random_model
+from test_property import _forward
+from test_property import WIDTH
+
+# Random planner models whose cut-model plans the timeline priced above
+# tf.gradients at 40ac6c9 (seed, ops): 'memory' and 'speed' on each.
+ABOVE_STOCK = [(10, 60), (15, 60), (24, 100), (6, 30)]
+
+
+@pytest.mark.parametrize("seed, ops", ABOVE_STOCK)
+@pytest.mark.parametrize("mode", ["memory", "speed"])
+def test_never_predicted_above_tf_gradients(seed, ops, mode, caplog):
+    model = random_model(seed, ops=ops)
+    with caplog.at_level(logging.INFO, logger=strategies.__name__):
+        result = strategies.run(model, mode)
+    assert result.peak_bytes <= result.estimate.baseline_bytes
+    assert result.plan.stock and result.recompute_flops == 0 and not result.plan.levels
+    assert any("no plan was predicted below tf.gradients' peak" in n for n in result.notes)
+    assert [r.levelname for r in caplog.records] == ["INFO"]
+    assert "leaves the gradient to tf.gradients" in caplog.records[0].getMessage()
+
+
+@pytest.mark.parametrize("extra", [0, 2**20])
+def test_budget_at_or_above_tf_gradients_recomputes_nothing(extra):
+    model = random_model(3, ops=100)  # one where 'memory' saves memory
+    stock = pricing.predict(model, None).baseline_bytes
+    assert strategies.memory(model).peak_bytes < stock
+    result = msg.budget(stock + extra)(model)
+    assert result.plan.stock and result.recompute_flops == 0
+    assert result.peak_bytes == stock and result.feasible
+
+
+def _pool_sigmoid_gather(x, weights):
+    """Found by a hypothesis search over test_property's blocks: its 'memory'
+    plan was predicted at 1548 bytes against tf.gradients' 1292."""
+    return _forward([("avg_pool", (0,), 0), ("sigmoid", (1,), 0), ("gather", (2,), 0)],
+                    x, weights)[-1]
+
+
+@pytest.mark.parametrize("mode", ["memory", "speed"])
+def test_stock_fallback_gradients_are_tf_gradients(mode):
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.constant(np.random.RandomState(0).randn(4, WIDTH))
+        weights = [tf.Variable(np.random.RandomState(k).randn(WIDTH, WIDTH) * 0.4)
+                   for k in range(2)]
+        y = tf.reduce_sum(_pool_sigmoid_gather(x, weights) * 2.0)
+        xs = [x, weights[0]]  # weights[1] is not read
+        report = msg.checkpoint_plan(y, xs, checkpoints=mode)
+        assert report.estimate.peak_bytes <= report.estimate.baseline_bytes
+        assert report.plan.stock and report.num_recomputed_ops == 0
+        before = len(graph.get_operations())
+        ours = msg.gradients(y, xs, checkpoints=mode)
+        ours_added, before = len(graph.get_operations()) - before, len(graph.get_operations())
+        stock = tf.gradients(y, xs)
+        assert ours_added == len(graph.get_operations()) - before  # tf.gradients' ops alone
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            got, want = sess.run([[tf.convert_to_tensor(g) for g in ours],
+                                  [tf.convert_to_tensor(g) for g in stock]])
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-14)
