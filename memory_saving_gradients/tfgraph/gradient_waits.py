@@ -84,13 +84,26 @@ def gate(gradients: list):
         by_dtype.setdefault(v.dtype, []).append(v)
     with tf.name_scope("wait_for_gradients"):
         flags = []
-        for group in by_dtype.values():
+        for group in [g for dtype, g in by_dtype.items() if dtype in _ARITHMETIC]:
             elements = _first_elements(group)
             flags.append(tf.raw_ops.NotEqual(x=elements, y=elements))
-        return tf.reduce_any(flags[0] if len(flags) == 1 else tf.concat(flags, axis=0))
+        others = [v for dtype, g in by_dtype.items() if dtype not in _ARITHMETIC for v in g]
+        if not others:
+            return tf.reduce_any(flags[0] if len(flags) == 1 else tf.concat(flags, axis=0))
+        # Gradients no kernel slices or compares (float8_*, int4): waited for
+        # by control edges (kept by the executor and Grappler, not by XLA).
+        with tf.control_dependencies(others):
+            return tf.identity(tf.reduce_any(tf.concat(flags, axis=0)) if flags
+                               else tf.constant(False))
 
 
 _MAX_SLICE_RANK = 8
+# Dtypes a gate reads an element of (StridedSlice, Pack, NotEqual) and adds
+# a zero to (AddV2, Mul): float8_* have no NotEqual nor AddV2, int4 no
+# StridedSlice. Tensors of other dtypes wait by control edges instead.
+_ARITHMETIC = frozenset({
+    tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.complex64, tf.complex128,
+    tf.int8, tf.int16, tf.int32, tf.int64, tf.uint8, tf.uint16, tf.uint32, tf.uint64})
 
 
 def _first_elements(values: list) -> tf.Tensor:
@@ -139,6 +152,9 @@ def wait_for_gate(tensor: tf.Tensor, level_gate: tf.Tensor) -> tf.Tensor:
     folds `x * 0` only for integers, so it stays.
     """
     with tf.name_scope("wait_for_gradient"):
+        if tensor.dtype.base_dtype not in _ARITHMETIC:  # float8_*: no add; XLA may run it early
+            with tf.control_dependencies([level_gate]):
+                return tf.identity(tensor)
         return tensor + tf.cast(level_gate, tensor.dtype) * tf.zeros([], tensor.dtype)
 
 
