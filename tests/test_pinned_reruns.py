@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import memory_saving_gradients as msg
+from memory_saving_gradients.core import budgets
 from memory_saving_gradients.core import cuts
 from memory_saving_gradients.core import pricing
 from memory_saving_gradients.core import solvers
@@ -58,19 +59,23 @@ def test_a_budget_above_the_least_peak_recomputes_less_than_memory(share):
     2,600, keeping all of them fits tf.gradients' and recomputes nothing."""
     model, names = chain_with_stateful_ops()
     memory = strategies.memory(model)
-    stock = pricing.predict(model, None).baseline_bytes
+    stock = pricing.allocator_baseline_bytes(model)  # budgets count as the allocator does
+
+    def peak(result):
+        return strategies.allocator_peak(model, result)
+
     chosen = msg.budget(share * stock)(model)
-    assert memory.peak_bytes < chosen.peak_bytes <= share * stock
+    assert peak(memory) < peak(chosen) <= share * stock
     assert chosen.recompute_flops < memory.recompute_flops
     spaced = [strategies.result_of(model, names[:-1:step], "every") for step in (1, 2, 3, 5)]
-    fitting = [r.recompute_flops for r in spaced if r.peak_bytes <= share * stock]
+    fitting = [r.recompute_flops for r in spaced if peak(r) <= share * stock]
     assert fitting and chosen.recompute_flops <= min(fitting)
 
 
 def test_budgets_recompute_less_as_they_grow_with_pinned_tensors():
     model, _ = chain_with_stateful_ops()
-    least = strategies.memory(model).peak_bytes
-    stock = pricing.predict(model, None).baseline_bytes
+    least = budgets.least_feasible(model).estimate.allocator_peak_bytes
+    stock = pricing.allocator_baseline_bytes(model)
     recomputes = [msg.budget(least + (stock - least) * k / 4)(model).recompute_flops
                   for k in range(5)]
     assert recomputes == sorted(recomputes, reverse=True)
