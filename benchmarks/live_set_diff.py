@@ -14,9 +14,9 @@ live keys at its own predicted peak, largest first.
 
 import argparse
 import collections
-import glob
 import os
-import tempfile
+
+# TensorFlow is imported inside the functions: `main` sets TF_CPU_ALLOCATOR_USE_BFC first.
 
 
 def allocator_events(step, inputs, labels):
@@ -26,43 +26,17 @@ def allocator_events(step, inputs, labels):
     smaller than the request: a chunk can be up to twice the bytes requested.
     """
     import tensorflow as tf
-    from tensorflow.tsl.profiler.protobuf import xplane_pb2
-    logdir = tempfile.mkdtemp()
-    tf.profiler.experimental.start(logdir)
-    tf.nest.map_structure(lambda g: g, step(inputs, labels))  # returns once the step ran
-    tf.profiler.experimental.stop()
-    space = xplane_pb2.XSpace()
-    with open(glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True)[-1], "rb") as f:
-        space.ParseFromString(f.read())
-    events = []
-    for plane in space.planes:
-        names = {k: v.name for k, v in plane.event_metadata.items()}
-        stat_names = {k: v.name for k, v in plane.stat_metadata.items()}
-        for line in plane.lines:
-            for ev in line.events:
-                kind = names.get(ev.metadata_id)
-                if kind not in ("MemoryAllocation", "MemoryDeallocation"):
-                    continue
-                stats = {stat_names[s.metadata_id]: s for s in ev.stats}
-                size = _number(stats["allocation_bytes"])
-                requested = _number(stats["requested_bytes"]) if "requested_bytes" in stats else size
-                addr = _number(stats["addr"])
-                op, shape = (_text(plane, stats.get(key)) for key in ("tf_op", "shape"))
-                sign = 1 if kind == "MemoryAllocation" else -1
-                events.append((line.timestamp_ns * 1000 + ev.offset_ps, sign * size, addr, op,
-                               shape, requested))
-    return sorted(events)
+    from memory_saving_gradients.tfgraph import profiled_allocations
+    # Returns once the step ran.
+    return profiled_allocations.allocator_events(
+        lambda: tf.nest.map_structure(lambda g: g, step(inputs, labels)))
 
 
-def _number(stat):
-    return stat.uint64_value or stat.int64_value
-
-
-def _text(plane, stat):
-    """A string stat's value, stored inline or interned in the plane's metadata."""
-    if stat is None:
-        return ""
-    return plane.stat_metadata[stat.ref_value].name if stat.ref_value else stat.str_value
+def requested_peak(events):
+    """Peak over the call of the bytes requested (what the ops asked for, without BFC's
+    chunk excess): the quantity the timeline predicts."""
+    from memory_saving_gradients.tfgraph import profiled_allocations
+    return profiled_allocations.requested_peak(events)
 
 
 def measured_live_at_peak(events):
@@ -77,20 +51,6 @@ def measured_live_at_peak(events):
         if total > peak:
             peak, at_peak = total, dict(live)
     return peak, at_peak
-
-
-def requested_peak(events):
-    """Peak over the call of the bytes requested (what the ops asked for, without BFC's
-    chunk excess): the quantity the timeline predicts."""
-    live, total, peak = {}, 0, 0
-    for _, size, addr, _, _, requested in events:
-        if size > 0:
-            live[addr] = requested
-            total += requested
-        elif addr in live:
-            total -= live.pop(addr)
-        peak = max(peak, total)
-    return peak
 
 
 def predicted_live_at_peak(model, plan):

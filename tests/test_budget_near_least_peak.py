@@ -1,4 +1,7 @@
-"""Budgets near the least feasible peak (core only, random planner models)."""
+"""Budgets near the least feasible peak (core only, random planner models).
+
+Budgets judge plans by the peak a BFC allocator reaches (`strategies.allocator_peak`).
+"""
 
 import re
 
@@ -18,15 +21,28 @@ def test_a_budget_that_tf_gradients_fits_is_not_refused():
     model = random_model(3, ops=43)
     least = strategies.least_peak(model)
     assert least.plan.stock and strategies.speed(model).plan.stock
-    max_bytes = least.peak_bytes + 15 * 2**20
+    max_bytes = strategies.allocator_peak(model, least) + 2**20
     result = budgets.budget(max_bytes)(model)
-    assert result.peak_bytes <= max_bytes and result.recompute_flops == 0
+    assert result.plan.stock and result.recompute_flops == 0
+    assert result.estimate.allocator_peak_bytes <= max_bytes
 
 
 def test_the_refusal_names_the_smallest_budget_a_plan_fits():
     model = random_model(3, ops=43)
-    speed = strategies.speed(model)
-    expected = ("smallest feasible budget on this graph is "
-                + budgets.describe_bytes(speed.peak_bytes))
+    speed = strategies.allocator_peak(model, strategies.speed(model))
+    expected = ("smallest feasible budget on this graph is " + budgets.describe_bytes(speed))
     with pytest.raises(ValueError, match=re.escape(expected)):
-        budgets.budget(speed.peak_bytes - 1)(model)
+        budgets.budget(speed - 1)(model)
+    assert budgets.budget(speed)(model).estimate.allocator_peak_bytes == speed  # it is feasible
+
+
+def test_budgets_are_judged_as_the_allocator_counts():
+    # Between the least bytes requested and the least allocator peak, a budget
+    # the bytes requested would meet is refused: the allocator's chunks overshoot it.
+    model = random_model(3, ops=43)
+    plans = strategies.low_peak_candidates(model) + [strategies.speed(model)]
+    requested = min(r.peak_bytes for r in plans)
+    chunks = min(strategies.allocator_peak(model, r) for r in plans)
+    assert requested < chunks  # the case this test is about
+    with pytest.raises(ValueError, match="as a BFC allocator counts it"):
+        budgets.budget((requested + chunks) / 2)(model)

@@ -27,12 +27,14 @@ def test_settings_go_from_no_loop_kept_to_every_chunked_loop_stacked(model):
 def test_a_budget_recomputes_no_more_than_with_every_loop_rerun(model, share):
     """The loop settings only add plans: the budget's is at least as cheap as the
     best with the loops rerun by their levels, and fits."""
-    least = strategies.memory(model).peak_bytes
-    limit = least + share * (pricing.predict(model, None).baseline_bytes - least) + 1
+    # As a BFC allocator counts it: what budgets are judged by.
+    least = budgets.least_feasible(model).estimate.allocator_peak_bytes
+    limit = least + share * (pricing.allocator_baseline_bytes(model) - least) + 1
     chosen = budgets.budget(limit)(model)
     rerun = strategies._fitting(  # pylint: disable=protected-access
-        model, strategies.cut_problem(model), limit, "rerun", LoopModes())
-    assert chosen.peak_bytes <= limit
+        model, strategies.cut_problem(model), limit, "rerun", LoopModes(),
+        lambda r: strategies.allocator_peak(model, r))
+    assert chosen.estimate.allocator_peak_bytes <= limit
     assert rerun is None or chosen.recompute_flops <= rerun.recompute_flops
 
 

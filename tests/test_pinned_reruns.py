@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import memory_saving_gradients as msg
+from memory_saving_gradients.core import budgets
 from memory_saving_gradients.core import cuts
 from memory_saving_gradients.core import pricing
 from memory_saving_gradients.core import solvers
@@ -25,14 +26,15 @@ from test_selection import make_model
 STATEFUL_AT = (15, 30, 45)  # positions of the ops that cannot be rerun
 
 
-def chain_with_stateful_ops(n=60):
-    """A chain of n ops whose gradients read their inputs (a matmul's), ops at
-    `STATEFUL_AT` not recomputable: they and their inputs are pinned."""
+def chain_with_stateful_ops(n=60, size=100):
+    """A chain of n ops of `size` bytes whose gradients read their inputs (a
+    matmul's), ops at `STATEFUL_AT` not recomputable: they and their inputs
+    are pinned."""
     names = [f"t{i:03d}" for i in range(n)]
     stateful = {names[k] for k in STATEFUL_AT}
     pinned = stateful | {names[k - 1] for k in STATEFUL_AT}
     model = make_model(list(zip(names, names[1:])), [names[-1]], pinned=pinned,
-                       unrecomputable=stateful)
+                       unrecomputable=stateful, size=size)
     reads = {b: (a,) for a, b in zip(names, names[1:])}
     return dataclasses.replace(model, grad_reads={names[0]: (), **reads}), names
 
@@ -55,22 +57,29 @@ def test_a_budget_above_the_least_peak_recomputes_less_than_memory(share):
     """Before the forced cuts, a budget of half of tf.gradients' memory and more
     returned the plan keeping only the pinned tensors (3,900-4,000 FLOPs
     recomputed), though keeping every other tensor fits half and recomputes
-    2,600, keeping all of them fits tf.gradients' and recomputes nothing."""
-    model, names = chain_with_stateful_ops()
+    2,600, keeping all of them fits tf.gradients' and recomputes nothing (in
+    FLOPs of 100-byte tensors). Budgets count as a BFC allocator does, whose
+    256-byte granule would make a 100-byte tensor 2.56 times its size: the
+    tensors here are 1 MiB."""
+    model, names = chain_with_stateful_ops(size=2**20)
     memory = strategies.memory(model)
-    stock = pricing.predict(model, None).baseline_bytes
+    stock = pricing.allocator_baseline_bytes(model)  # budgets count as the allocator does
+
+    def peak(result):
+        return strategies.allocator_peak(model, result)
+
     chosen = msg.budget(share * stock)(model)
-    assert memory.peak_bytes < chosen.peak_bytes <= share * stock
+    assert peak(memory) < peak(chosen) <= share * stock
     assert chosen.recompute_flops < memory.recompute_flops
     spaced = [strategies.result_of(model, names[:-1:step], "every") for step in (1, 2, 3, 5)]
-    fitting = [r.recompute_flops for r in spaced if r.peak_bytes <= share * stock]
+    fitting = [r.recompute_flops for r in spaced if peak(r) <= share * stock]
     assert fitting and chosen.recompute_flops <= min(fitting)
 
 
 def test_budgets_recompute_less_as_they_grow_with_pinned_tensors():
-    model, _ = chain_with_stateful_ops()
-    least = strategies.memory(model).peak_bytes
-    stock = pricing.predict(model, None).baseline_bytes
+    model, _ = chain_with_stateful_ops(size=2**20)  # 1 MiB tensors: see above
+    least = budgets.least_feasible(model).estimate.allocator_peak_bytes
+    stock = pricing.allocator_baseline_bytes(model)
     recomputes = [msg.budget(least + (stock - least) * k / 4)(model).recompute_flops
                   for k in range(5)]
     assert recomputes == sorted(recomputes, reverse=True)

@@ -37,9 +37,10 @@ MODELS = {
 
 def strategies_of(model):
     """'memory', 'speed', and budgets a third and two thirds of the way from
-    the least peak to tf.gradients' (feasible on every model)."""
-    least = strategies.memory(model).peak_bytes
-    stock = pricing.predict(model, None).baseline_bytes
+    the least peak to tf.gradients' (feasible on every model), both as a BFC
+    allocator counts them (what budgets are judged by)."""
+    least = budgets.least_feasible(model).estimate.allocator_peak_bytes
+    stock = pricing.allocator_baseline_bytes(model)
     return {"memory": "memory", "speed": "speed",
             **{f"budget{k}/3": budgets.budget(least + (stock - least) * k / 3 + 1)
                for k in (1, 2)}}

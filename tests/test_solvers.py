@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import memory_saving_gradients as msg
+from memory_saving_gradients.core import budgets
 from memory_saving_gradients.core import cuts
 from memory_saving_gradients.core import pricing
 from memory_saving_gradients.core import solvers
@@ -204,19 +205,20 @@ def test_memory_keeps_the_least_peak_and_recomputes_no_more(n):
 
 def test_budget_below_the_smallest_feasible_names_it():
     model, _ = chain_model(64)
-    smallest = strategies.least_peak(model).peak_bytes
+    # As a BFC allocator counts it, what budgets are judged by.
+    smallest = budgets.least_feasible(model).estimate.allocator_peak_bytes
     with pytest.raises(ValueError, match="smallest feasible budget") as raised:
         msg.budget(smallest - 1)(model)
     assert f"({smallest} bytes)" in str(raised.value)
-    assert msg.budget(smallest)(model).peak_bytes <= smallest
+    assert msg.budget(smallest)(model).estimate.allocator_peak_bytes <= smallest
 
 
 def test_budgets_trade_memory_for_recompute_on_a_chain():
     model, _ = chain_model(64)
-    stock = pricing.predict(model, None).baseline_bytes  # what tf.gradients keeps
+    stock = pricing.allocator_baseline_bytes(model)  # what tf.gradients keeps, in chunks
     results = [msg.budget(share * stock)(model) for share in (0.3, 0.5, 1.0)]
     for share, result in zip((0.3, 0.5, 1.0), results):
-        assert result.peak_bytes <= share * stock and result.feasible
+        assert result.estimate.allocator_peak_bytes <= share * stock and result.feasible
     recomputes = [r.recompute_flops for r in results]
     assert recomputes == sorted(recomputes, reverse=True) and recomputes[-1] == 0
 

@@ -1,4 +1,5 @@
-"""Budgets: the plan of least recompute whose predicted peak fits a byte budget.
+"""Budgets: the plan of least recompute whose predicted peak fits a byte budget
+(the peak a BFC allocator reaches: `Budget`).
 
 No TensorFlow. `Budget` is a strategy (a callable on the GraphModel), so it is
 accepted wherever ``checkpoints=`` is.
@@ -20,7 +21,12 @@ class Budget:
     """``checkpoints=budget(max_bytes)``: least recompute with a predicted peak <= max_bytes.
 
     The peak is of activation memory (what checkpointing changes; weights and
-    their gradients come on top), as `checkpoint_plan(...).estimate` predicts it.
+    their gradients come on top) as a BFC allocator counts it: the whole
+    chunks it hands out, replayed by `core/allocator.py`. That is what
+    TensorFlow measures on GPUs and on CPU with TF_CPU_ALLOCATOR_USE_BFC=1
+    (`checkpoint_plan(...).estimate.allocator_peak_bytes`); it is never below
+    the bytes the ops request (`estimate.peak_bytes`), the peak of CPU's
+    default allocator, so a plan within the budget fits that one too.
     """
     max_bytes: float
 
@@ -38,37 +44,71 @@ class Budget:
         return f"budget({self.max_bytes / 2**20:.2f} MiB)"
 
     def __call__(self, model) -> strategies.Result:
-        """The plan; ValueError naming the smallest feasible budget if none fits."""
-        stock = strategies.stock(model, self.__name__)
-        if stock.peak_bytes <= self.max_bytes:  # no recompute at all fits
+        """The plan; ValueError naming the smallest feasible budget if none fits.
+
+        Plans are priced by bytes requested (`pricing.predict`) and the ones
+        that fit by those are replayed through the allocator
+        (`strategies.allocator_peak`, about four predictions' cost): the
+        least-recompute search re-solves tighter when the replay overshoots.
+        """
+        def peak(result):
+            return strategies.allocator_peak(model, result)
+
+        def fits(result):  # bytes requested first: the replay is never below them
+            return result.peak_bytes <= self.max_bytes and peak(result) <= self.max_bytes
+
+        stock = strategies.with_allocator_peak(model, strategies.stock(model, self.__name__))
+        if peak(stock) <= self.max_bytes:  # no recompute at all fits
             return dataclasses.replace(stock, notes=(
-                f"tf.gradients' predicted peak of {describe_bytes(stock.peak_bytes)} fits "
-                f"within {describe_bytes(self.max_bytes)}: the stock gradient, every "
-                f"activation kept, nothing recomputed",))
+                f"tf.gradients' predicted peak of {describe_bytes(peak(stock))} as a BFC "
+                f"allocator counts it fits within {describe_bytes(self.max_bytes)}: the "
+                f"stock gradient, every activation kept, nothing recomputed",))
         problem = strategies.cut_problem(model)
-        least = strategies.least_peak(model, problem)
-        if least.peak_bytes > self.max_bytes:
-            # The cut model's least-peak candidates are not always the timeline's
-            # least: the 'speed' plan (at worst no cut at all) may be priced lower.
-            least = min(least, strategies.speed(model), key=lambda r: r.peak_bytes)
-        if least.peak_bytes > self.max_bytes:
-            raise ValueError(
-                f"no checkpoint plan fits a budget of {describe_bytes(self.max_bytes)}: "
-                f"the smallest feasible budget "
-                f"on this graph is {describe_bytes(least.peak_bytes)} (the "
-                f"'{least.strategy}' plan; tf.gradients needs "
-                f"{describe_bytes(least.estimate.baseline_bytes)}). "
-                f"Raise the budget to at least that, or shrink the batch")
-        found = strategies.fitting_plan(model, problem, self.max_bytes, self.__name__)
-        fitting = [least] + ([found] if found is not None else [])
-        best = min(fitting, key=lambda r: (r.recompute_flops, r.peak_bytes))
+        found = strategies.fitting_plan(model, problem, self.max_bytes, self.__name__, peak)
+        # The cut model's least-peak plans (what `least_peak` picks from), which
+        # the search does not see whole, can recompute less than what it found.
+        candidates = strategies.low_peak_candidates(model, problem)
+        fitting = [r for r in candidates
+                   if (found is None or r.recompute_flops < found.recompute_flops) and fits(r)]
+        fitting += [found] if found is not None else []
+        if not fitting:
+            least = least_feasible(model, problem, candidates)
+            if least.estimate.allocator_peak_bytes > self.max_bytes:
+                raise ValueError(
+                    f"no checkpoint plan fits a budget of {describe_bytes(self.max_bytes)} "
+                    f"(activation memory as a BFC allocator counts it): the smallest "
+                    f"feasible budget on this graph is "
+                    f"{describe_bytes(least.estimate.allocator_peak_bytes)} (the "
+                    f"'{least.strategy}' plan; tf.gradients needs "
+                    f"{describe_bytes(least.estimate.allocator_baseline_bytes)}). "
+                    f"Raise the budget to at least that, or shrink the batch")
+            fitting = [least]
+        best = strategies.with_allocator_peak(
+            model, min(fitting, key=lambda r: (r.recompute_flops, peak(r))))
         note = (f"least predicted recompute with a predicted peak of "
-                f"{describe_bytes(best.peak_bytes)} within {describe_bytes(self.max_bytes)}")
+                f"{describe_bytes(peak(best))} as a BFC allocator counts it "
+                f"({describe_bytes(best.peak_bytes)} requested) within "
+                f"{describe_bytes(self.max_bytes)}")
         return dataclasses.replace(best, strategy=self.__name__, notes=best.notes + (note,))
 
 
+def least_feasible(model, problem=None, candidates=None) -> strategies.Result:
+    """The plan of least peak as a BFC allocator counts it (the smallest budget
+    any plan fits, in its `estimate.allocator_peak_bytes`; ties: least
+    recompute): among the cut model's least-peak candidates
+    (`candidates`: `strategies.low_peak_candidates(model, problem)`, which it
+    computes when not given) and the 'speed' plan (at worst no cut at all),
+    which the cut model does not always rank above them."""
+    if candidates is None:
+        candidates = strategies.low_peak_candidates(model, problem)
+    least = min(candidates + [strategies.speed(model)],
+                key=lambda r: (strategies.allocator_peak(model, r), r.recompute_flops))
+    return strategies.with_allocator_peak(model, least)
+
+
 def budget(max_bytes) -> Budget:
-    """A checkpoints strategy: least recompute whose predicted activation peak fits.
+    """A checkpoints strategy: least recompute whose predicted activation peak
+    (as a BFC allocator counts it) fits.
 
     Example:
       >>> grads = memory_saving_gradients.gradients(

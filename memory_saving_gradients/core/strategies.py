@@ -141,7 +141,8 @@ def memory(model: GraphModel) -> Result:
 
 
 def least_peak(model: GraphModel, problem=None) -> Result:
-    """Keeps the tensors alive across the cuts of least predicted peak (ties: least recompute).
+    """Keeps the tensors alive across the cuts of least predicted peak (ties:
+    least recompute); tf.gradients itself when none is predicted below it.
 
     `problem` is `cut_problem(model)`, built here when not given (callers that
     go on to `fitting_plan` pass theirs so it is built once).
@@ -149,36 +150,63 @@ def least_peak(model: GraphModel, problem=None) -> Result:
     return _solved(model, "memory", None, problem)
 
 
-def fitting_plan(model: GraphModel, problem, max_bytes, name) -> Optional[Result]:
-    """The least-recompute plan whose predicted peak is at most `max_bytes`, or
-    None: `_fitting` under each way of differentiating the model's rerunnable
-    loops (`loop_plans.settings`: rerun by their levels, or kept), the least
-    predicted recompute of those that fit (ties: the first, loops rerun)."""
-    found = [_fitting(model, loop_plans.adjusted(problem, model, modes), max_bytes, name, modes)
+def fitting_plan(model: GraphModel, problem, max_bytes, name, peak=None) -> Optional[Result]:
+    """The least-recompute plan whose peak (judged by `peak`, as in
+    `least_peak`) is at most `max_bytes`, or None: `_fitting` under each way of
+    differentiating the model's rerunnable loops (`loop_plans.settings`: rerun
+    by their levels, or kept), the least predicted recompute of those that fit
+    (ties: the first, loops rerun)."""
+    found = [_fitting(model, loop_plans.adjusted(problem, model, modes), max_bytes, name, modes,
+                      peak or _requested)
              for modes in loop_plans.settings(model)]
     return min((r for r in found if r is not None), key=lambda r: r.recompute_flops,
                default=None)
 
 
-def _fitting(model, problem, max_bytes, name, loops) -> Optional[Result]:
-    """The cut model's least-recompute plan under `loops` whose predicted peak
-    is at most `max_bytes`, or None. The simulator sees more than the cut
-    model: when a plan overshoots, the cut model's budget is lowered by the
-    overshoot; when that would find the same plan again (its cut-model peak is
-    often well under the budget that found it), to `max_bytes` less the
-    excess of the simulator's peak over the cut model's on that plan."""
+def _fitting(model, problem, max_bytes, name, loops, peak=None) -> Optional[Result]:
+    """The cut model's least-recompute plan under `loops` whose peak (`peak`
+    of the Result, default bytes requested) is at most `max_bytes`, or None.
+    The simulator sees more than the cut model: when a plan overshoots, the
+    cut model's budget is lowered by the overshoot; when that would find the
+    same plan again (its cut-model peak is often well under the budget that
+    found it), to `max_bytes` less the excess of the judged peak over the cut
+    model's on that plan. A plan over `max_bytes` in bytes requested is not
+    judged further: every `peak` is at least that (a BFC allocator's chunks
+    hold at least the bytes requested)."""
+    peak = peak or _requested
     target = max_bytes
     for _ in range(FIT_RETRIES):
         found = solvers.least_recompute(problem, target)
         if found is None:
             return None
         tried = result_of(model, tensors_of(model, found.cost.kept_ops), name, loops=loops)
-        if tried.peak_bytes <= max_bytes:
+        judged = tried.peak_bytes if tried.peak_bytes > max_bytes else peak(tried)
+        if judged <= max_bytes:
             return tried
-        target -= tried.peak_bytes - max_bytes
+        target -= judged - max_bytes
         if target >= found.cost.peak_bytes:
-            target = max_bytes - (tried.peak_bytes - found.cost.peak_bytes)
+            target = max_bytes - (judged - found.cost.peak_bytes)
     return None
+
+
+def _requested(result: Result) -> int:
+    """A plan's predicted peak of bytes requested (the default judge)."""
+    return result.peak_bytes
+
+
+def with_allocator_peak(model: GraphModel, result: Result) -> Result:
+    """`result` with the peak a BFC allocator reaches on its plan in its estimate
+    (`pricing.with_allocator_peaks`; remembered per model and plan)."""
+    if result.estimate.allocator_peak_bytes is not None:
+        return result
+    return dataclasses.replace(result, estimate=pricing.with_allocator_peaks(
+        model, result.plan, result.estimate))
+
+
+def allocator_peak(model: GraphModel, result: Result) -> int:
+    """The peak a BFC allocator reaches on `result`'s plan, activation memory:
+    what TensorFlow measures on GPUs and on CPU with TF_CPU_ALLOCATOR_USE_BFC=1."""
+    return with_allocator_peak(model, result).estimate.allocator_peak_bytes
 
 
 def speed(model: GraphModel) -> Result:
@@ -206,15 +234,7 @@ def _solved(model, name, forbidden, problem=None):
     gradients nor scratch buffers; the timeline does, and ranks its few best
     plans (one per bound on the largest interval) differently.
     """
-    problem = problem or cut_problem(model)
-    priced = []
-    for found in solvers.low_peak_plans(problem, forbidden, CANDIDATE_PLANS):
-        names = tensors_of(model, found.cost.kept_ops)
-        note = (f"kept {len(names)} tensors alive across {len(found.cuts)} of "
-                f"{len(problem.cuts)} candidate cuts: the least predicted peak of the "
-                f"cut model's {CANDIDATE_PLANS} best plans (cut model: "
-                f"{found.cost.peak_bytes / 2**20:.1f} MiB)")
-        priced.append(result_of(model, names, name, (note,)))
+    priced = _candidates(model, name, forbidden, problem)
     best = min(priced, key=lambda r: (r.peak_bytes, r.recompute_flops))
     if best.peak_bytes < best.estimate.baseline_bytes:
         return best
@@ -227,6 +247,26 @@ def _solved(model, name, forbidden, problem=None):
         f"{best.estimate.baseline_bytes / 2**20:.1f} MiB (the best of the cut model's "
         f"{len(priced)}: {best.peak_bytes / 2**20:.1f} MiB): the stock gradient, "
         f"every activation kept, nothing recomputed",))
+
+
+def low_peak_candidates(model: GraphModel, problem=None) -> list:
+    """The cut model's few best plans, priced by the timeline (`least_peak`
+    picks one): a budget judges them by another peak than 'memory' does."""
+    return _candidates(model, "memory", None, problem)
+
+
+def _candidates(model, name, forbidden, problem=None):
+    """The cut model's `CANDIDATE_PLANS` best plans (`solvers.low_peak_plans`), priced."""
+    problem = problem or cut_problem(model)
+    priced = []
+    for found in solvers.low_peak_plans(problem, forbidden, CANDIDATE_PLANS):
+        names = tensors_of(model, found.cost.kept_ops)
+        note = (f"kept {len(names)} tensors alive across {len(found.cuts)} of "
+                f"{len(problem.cuts)} candidate cuts: the least predicted peak of the "
+                f"cut model's {CANDIDATE_PLANS} best plans (cut model: "
+                f"{found.cost.peak_bytes / 2**20:.1f} MiB)")
+        priced.append(result_of(model, names, name, (note,)))
+    return priced
 
 
 def stock(model: GraphModel, strategy, notes=()) -> Result:

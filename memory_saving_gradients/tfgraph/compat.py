@@ -366,3 +366,12 @@ def spend_tape(tape: tf.GradientTape) -> None:
     """Releases a non-persistent tape after its one gradient, as the stock `gradient` does."""
     tape._watched_variables = tape._tape.watched_variables()  # pylint: disable=protected-access
     tape._tape = None  # pylint: disable=protected-access
+
+
+def xspace_from_file(path: str):
+    """The profiler's XSpace proto read from an `.xplane.pb` file."""
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2  # pylint: disable=import-outside-toplevel
+    space = xplane_pb2.XSpace()
+    with open(path, "rb") as f:
+        space.ParseFromString(f.read())
+    return space

@@ -66,7 +66,8 @@ def _shapes_known(op):
 @functools.lru_cache(maxsize=None)
 def _measured(shapes, strides, padding, dtype):
     """Runs our form on zeros in a scratch graph (twice: the first run may set
-    up caches); the second run's peak above its output is its scratch."""
+    up caches); the second run's peak of bytes requested above its output is
+    its scratch."""
     out_backprop_shape, filter_shape, output_shape = shapes
     graph = tf.Graph()
     with graph.as_default(), tf.device("CPU:0"):
@@ -81,9 +82,8 @@ def _measured(shapes, strides, padding, dtype):
     output_bytes = int(np.prod(output_shape)) * tf.as_dtype(dtype).size
     try:
         with tf.compat.v1.Session(graph=graph) as session:
-            for _ in range(2):
-                _, metadata = allocations.traced_run(session, copy.op, feed)
+            peak = allocations.requested_run_peak(session, copy.op, feed)
     except Exception as error:  # pylint: disable=broad-except  # then the copy stays stock
         logger.debug("scratch-free transposed copy failed to run: %s", error)
         return None
-    return max(allocations.peak_bytes(metadata) - output_bytes, 0)
+    return max(peak - output_bytes, 0)

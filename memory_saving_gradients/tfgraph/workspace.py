@@ -7,9 +7,9 @@ predicts them (measured: 4 MiB for a 1x1 convolution with an 18 MiB output,
 32 MiB for a 3x3 convolution with 0.5 MiB tensors), so they are measured: the
 gradient ops TensorFlow's registered gradient runs for the op are built in a
 scratch graph on placeholders fed zeros (Grappler would fold constants), run
-by a Session with full tracing, once per (op type, attributes, shapes), and
-the peak of the run's allocation records above the op's output is its
-workspace. Nothing of the user's is touched (no allocator statistics are
+by a Session, once per (op type, attributes, shapes), and the peak of the
+bytes the run requests above the op's output is its workspace
+(`allocations.requested_run_peak`: bytes requested, not BFC's chunks). Nothing of the user's is touched (no allocator statistics are
 read or reset, no random numbers drawn), so it works in tf.compat.v1 graphs
 and tf.functions alike, with or without allocator statistics. A gradient op
 that fails to build or run counts zero (logged at debug level), and so
@@ -119,7 +119,7 @@ def _run_ops(specs, attrs, shapes, dtype):
 
     Inputs are fed placeholders (Grappler would fold constants away); each op
     runs twice (the first run may set up caches once) and the second run's
-    peak above its output is its scratch.
+    peak of bytes requested above its output is its scratch.
     """
     graph = tf.Graph()
     with graph.as_default(), tf.device(_DEVICE):
@@ -137,10 +137,9 @@ def _run_ops(specs, attrs, shapes, dtype):
     scratch = 0
     with tf.compat.v1.Session(graph=graph) as sess:
         for out in gradients:
-            for _ in range(2):
-                _, metadata = allocations.traced_run(sess, out.op, feed)
             output_bytes = out.shape.num_elements() * out.dtype.size
-            scratch = max(scratch, allocations.peak_bytes(metadata) - output_bytes)
+            scratch = max(scratch, allocations.requested_run_peak(sess, out.op, feed)
+                          - output_bytes)
     return int(max(scratch, 0))
 
 

@@ -1,0 +1,100 @@
+"""The allocator's events of one call, from TensorFlow's profiler: bytes requested.
+
+A traced Session run's allocation records (`allocations.py`) give each
+buffer's size as the allocator counts it. With TF_CPU_ALLOCATOR_USE_BFC=1
+that is BFC's chunk, which is not split when the rest would be smaller than
+the request: the same 24.5 MiB convolution scratch is recorded as 32 MiB in
+one process state and 24.5 MiB in another. The profiler's MemoryAllocation
+events carry the bytes requested beside the chunk, so a peak of requested
+bytes depends on the ops alone.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import tempfile
+
+import tensorflow as tf
+
+from memory_saving_gradients.tfgraph import compat
+
+logger = logging.getLogger(__name__)
+_KINDS = {"MemoryAllocation": 1, "MemoryDeallocation": -1}
+
+
+def allocator_events(call) -> list:
+    """(time ps, +/-chunk bytes, addr, op, shape, bytes requested) of the
+    allocations `call()` makes, in time order (profiled; raises if another
+    profiler session is running)."""
+    events = []
+    with tempfile.TemporaryDirectory() as logdir:
+        tf.profiler.experimental.start(logdir)
+        try:
+            call()
+        finally:
+            tf.profiler.experimental.stop()
+        for path in glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True)[-1:]:
+            for plane in compat.xspace_from_file(path).planes:
+                events += _plane_events(plane)
+    return sorted(events)
+
+
+def _plane_events(plane):
+    names = {k: v.name for k, v in plane.event_metadata.items()}
+    stat_names = {k: v.name for k, v in plane.stat_metadata.items()}
+    events = []
+    for line in plane.lines:
+        for event in line.events:
+            sign = _KINDS.get(names.get(event.metadata_id))
+            if sign is None:
+                continue
+            stats = {stat_names[s.metadata_id]: s for s in event.stats}
+            size = _number(stats["allocation_bytes"])
+            requested = _number(stats["requested_bytes"]) if "requested_bytes" in stats else size
+            op, shape = (_text(plane, stats.get(key)) for key in ("tf_op", "shape"))
+            events.append((line.timestamp_ns * 1000 + event.offset_ps, sign * size,
+                           _number(stats["addr"]), op, shape, requested))
+    return events
+
+
+def _number(stat):
+    return stat.uint64_value or stat.int64_value
+
+
+def _text(plane, stat):
+    """A string stat's value, stored inline or interned in the plane's metadata."""
+    if stat is None:
+        return ""
+    return plane.stat_metadata[stat.ref_value].name if stat.ref_value else stat.str_value
+
+
+def requested_peak(events, ops_only: bool = False) -> int:
+    """Peak of the bytes requested over `events` (BFC's chunk excess left out).
+
+    ops_only: count only buffers an op allocated (not a Session's feeds,
+    which the client converts before the run); frees match by address.
+    """
+    live, total, peak = {}, 0, 0
+    for _, size, addr, op, _, requested in events:
+        if size > 0 and (op or not ops_only):
+            live[addr] = requested
+            total += requested
+        elif size < 0 and addr in live:
+            total -= live.pop(addr)
+        peak = max(peak, total)
+    return peak
+
+
+def session_requested_peak(sess, fetches, feed_dict=None):
+    """Peak of the bytes the ops of one `sess.run` request, or None when the
+    profiler cannot run (another session is profiling) or reports no
+    allocations (an allocator that emits no events: its records are exact)."""
+    try:
+        events = allocator_events(lambda: sess.run(fetches, feed_dict=feed_dict))
+    except Exception as error:  # pylint: disable=broad-except  # the caller's records then
+        logger.debug("profiled run failed: %s", error)
+        return None
+    if not any(op for _, size, _, op, _, _ in events if size > 0):
+        return None
+    return requested_peak(events, ops_only=True)
