@@ -159,6 +159,50 @@ def test_xla_residual_mlp_halves_activation_memory():
     assert _requested_bytes(ours_step, x) - _weight_bytes(weights) == ours
 
 
+def _small_unet():
+    """(forward, weights, x) of a one-level U-Net: conv-ReLU pairs, a 2x2 max
+    pool, a 2x2 stride-2 transposed convolution and a concatenated skip."""
+    batch, pixels, width = 8, 64, 16
+    rng = tf.random.Generator.from_seed(3)
+
+    def conv_w(k, cin, cout):
+        return tf.Variable(rng.normal([k, k, cin, cout], stddev=(2.0 / (k * k * cin)) ** 0.5))
+
+    down = [conv_w(3, 3, width), conv_w(3, width, width)]
+    bottom = [conv_w(3, width, 2 * width), conv_w(3, 2 * width, 2 * width)]
+    up = conv_w(2, width, 2 * width)
+    top = [conv_w(3, 2 * width, width), conv_w(3, width, width)]
+    head = conv_w(1, width, 3)
+
+    def stage(h, ws):
+        for w in ws:
+            h = tf.nn.relu(tf.nn.conv2d(h, w, 1, "SAME"))
+        return h
+
+    def forward(x):
+        skip = stage(x, down)
+        h = stage(tf.nn.max_pool2d(skip, 2, 2, "VALID"), bottom)
+        h = tf.nn.conv2d_transpose(h, up, tf.shape(skip), 2, "VALID")
+        logits = tf.nn.conv2d(stage(tf.concat([h, skip], axis=-1), top), head, 1, "SAME")
+        return tf.reduce_mean(logits * logits)
+
+    return forward, down + bottom + [up] + top + [head], rng.normal([batch, pixels, pixels, 3])
+
+
+def test_xla_small_unet_saves_activation_memory():
+    """A recomputed max pool's gradient runs in backprop; XLA's own (a
+    select-and-scatter) then held four s32 index arrays of the pool's input
+    from the step's first instruction to there: ours requested 29.4 MiB
+    against tf.gradients' 27.3 before pool_gradients.py, 19.4 after."""
+    forward, weights, x = _small_unet()
+    stock_step, ours_step = _steps(forward, weights, jit_compile=True)
+    for a, b in zip(stock_step(x), ours_step(x)):
+        np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-4, atol=1e-6)
+    stock, ours = (_requested_bytes(step, x) - _weight_bytes(weights)
+                   for step in (stock_step, ours_step))
+    assert ours <= 0.8 * stock, (stock, ours)
+
+
 def test_tf_function_rnn_stack_recomputes_its_loops():
     """Each layer is a tf.while_loop reading its weights in the body (as Keras'
     LSTM): tf.gradients keeps every layer's per-step state until backprop

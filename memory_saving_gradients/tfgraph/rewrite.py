@@ -38,6 +38,7 @@ from memory_saving_gradients.tfgraph import op_kinds
 from memory_saving_gradients.tfgraph import conv_gradients
 from memory_saving_gradients.tfgraph import grouped_conv_calls
 from memory_saving_gradients.tfgraph import loop_chunks
+from memory_saving_gradients.tfgraph import pool_gradients
 from memory_saving_gradients.tfgraph import side_inputs
 from memory_saving_gradients.tfgraph.ledger import GradientLedger
 from memory_saving_gradients.tfgraph.reading import Reading
@@ -56,13 +57,15 @@ def backprop(reading: Reading, plan: Plan, ys, xs, grad_ys, stop_gradients, tf_k
     # Loops differentiated where they are (not copied) are rerun in chunks too,
     # but those the plan leaves to the stock gradient (`LoopModes.stacked`);
     # unit-stride convolutions, originals and copies, get gradients without
-    # the CPU kernels' scratch, and XLA-compiled depthwise ones without XLA's.
+    # the CPU kernels' scratch, and XLA-compiled depthwise ones without XLA's;
+    # XLA-compiled max pools without XLA's index buffers (pool_gradients.py).
     # Our many tf.gradients calls look captures up by index (capture_lookup.py).
     chunked = {op for op in loop_chunks.rerunnable_in(graph, reading.region)
                if op.name not in plan.loops.stacked}
     with loop_chunks.chunked_gradients(chunked), \
             conv_gradients.scratch_free_gradients(region_ops), \
-            grouped_conv_calls.native_gradients(region_ops), capture_lookup.indexed():
+            grouped_conv_calls.native_gradients(region_ops), \
+            pool_gradients.first_max_gradients(region_ops), capture_lookup.indexed():
         run.to_checkpoints(ys, grad_ys)
         for number, level in reversed(list(enumerate(plan.levels))):
             run.through_level(number, level)

@@ -1,0 +1,89 @@
+"""Max-pooling gradients under XLA without XLA's index buffers.
+
+XLA compiles TensorFlow's `MaxPoolGrad` to a select-and-scatter, which its
+CPU backend expands into a reduce-window over the pool's input and one `s32`
+iota per dimension of that input (four arrays of the input's shape, twice its
+bytes each for float32). The iotas have no operands, and XLA's scheduler puts
+them at the start of the step. Under tf.gradients that costs little: the
+select-and-scatter's argmax reads only forward tensors, so XLA runs it in the
+forward pass and the iotas die there. When the rewrite recomputes a pool's
+input, its gradient can only run in backprop, and the iotas stay alive from
+the first instruction to there: in the classic U-Net's `"memory"` step, 14 of
+the 39 MB alive at XLA's peak, all checkpoints and recomputation aside.
+
+For a pool whose windows tile its input (window = stride, no padding) the
+gradient is exact without any index: the output gradient goes to the first
+element of each window, in row-major order, equal to the window's maximum:
+what XLA's select-and-scatter (select = greater-or-equal, scanning the window
+in that order) picks. Each tap of the window is a strided view of the input,
+compared with the pooled output; a mask of the taps already taken keeps ties
+to the first. Only under XLA: TensorFlow's own CPU and GPU kernels build no
+such buffers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterable, Iterator
+
+import tensorflow as tf
+
+from memory_saving_gradients.tfgraph import compat
+
+FIRST_MAX_GRADIENT = "MemorySavingGradientsFirstMaxPool"
+
+
+def is_eligible(op: tf.Operation) -> bool:
+    """True for an XLA-compiled NHWC `MaxPool` whose windows tile its input
+    (window = stride, VALID, or SAME with sizes the stride divides), static
+    spatial and channel sizes, without a gradient override of its own."""
+    if op.type != "MaxPool" or "_gradient_op_type" in op.node_def.attr:
+        return False
+    if not compat.in_xla_context(op.graph) or op.get_attr("data_format") != b"NHWC":
+        return False
+    ksize, strides = list(op.get_attr("ksize")), list(op.get_attr("strides"))
+    image = op.inputs[0]
+    if ksize != strides or ksize[0] != 1 or ksize[3] != 1:
+        return False
+    if not image.shape[1:].is_fully_defined():
+        return False
+    if op.get_attr("padding") == b"SAME":
+        return all(size % k == 0 for size, k in zip(image.shape[1:3], ksize[1:3]))
+    return op.get_attr("padding") == b"VALID"
+
+
+@contextlib.contextmanager
+def first_max_gradients(ops: Iterable[tf.Operation]) -> Iterator[None]:
+    """Within, tf.gradients differentiates the eligible max pools among `ops`
+    (and copies of them made meanwhile: a copy takes its original's
+    attributes) by `_first_max_gradient`."""
+    with compat.gradients_overridden([op for op in ops if is_eligible(op)],
+                                     FIRST_MAX_GRADIENT):
+        yield
+
+
+@tf.RegisterGradient(FIRST_MAX_GRADIENT)
+def _first_max_gradient(op, grad):
+    """d image: `grad` at the first maximum of each window, zero elsewhere."""
+    image, pooled = op.inputs[0], op.outputs[0]
+    _, kh, kw, _ = op.get_attr("ksize")
+    _, height, width, channels = image.shape.as_list()
+    out_h, out_w = height // kh, width // kw  # SAME here only where they divide
+    covered = image[:, :out_h * kh, :out_w * kw, :]
+    windows = tf.reshape(covered, [-1, out_h, kh, out_w, kw, channels])
+    taken = None
+    rows = []
+    for a in range(kh):
+        row = []
+        for b in range(kw):
+            hit = tf.equal(windows[:, :, a, :, b, :], pooled)
+            if taken is not None:
+                hit = tf.logical_and(hit, tf.logical_not(taken))
+            taken = hit if taken is None else tf.logical_or(taken, hit)
+            row.append(tf.where(hit, grad, tf.zeros_like(grad)))
+        rows.append(tf.stack(row, axis=3))
+    spread = tf.reshape(tf.stack(rows, axis=2), [-1, out_h * kh, out_w * kw, channels])
+    missing = [height - out_h * kh, width - out_w * kw]  # VALID: rows no window reads
+    if any(missing):
+        spread = tf.pad(spread, [[0, 0], [0, missing[0]], [0, missing[1]], [0, 0]])
+    return spread
