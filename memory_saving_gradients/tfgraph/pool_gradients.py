@@ -12,13 +12,14 @@ the first instruction to there: in the classic U-Net's `"memory"` step, 14 of
 the 39 MB alive at XLA's peak, all checkpoints and recomputation aside.
 
 For a pool whose windows tile its input (window = stride, no padding) the
-gradient is exact without any index: the output gradient goes to the first
-element of each window, in row-major order, equal to the window's maximum:
-what XLA's select-and-scatter (select = greater-or-equal, scanning the window
-in that order) picks. Each tap of the window is a strided view of the input,
-compared with the pooled output; a mask of the taps already taken keeps ties
-to the first. Only under XLA: TensorFlow's own CPU and GPU kernels build no
-such buffers.
+gradient is exact without any index buffer: scanning each window's taps in
+row-major order, the candidate moves to a tap unless the candidate is
+greater than or equal to it (XLA's own select rule, NaN included), and the
+output gradient goes to the last candidate. The taps are compared with each
+other, never with the pooled output: XLA may compute a fused producer of the
+input twice and round the two differently, so an element bitwise equal to
+the pooled maximum is not guaranteed to exist. Only under XLA: TensorFlow's
+own CPU and GPU kernels build no such buffers.
 """
 
 from __future__ import annotations
@@ -64,24 +65,23 @@ def first_max_gradients(ops: Iterable[tf.Operation]) -> Iterator[None]:
 
 @tf.RegisterGradient(FIRST_MAX_GRADIENT)
 def _first_max_gradient(op, grad):
-    """d image: `grad` at the first maximum of each window, zero elsewhere."""
-    image, pooled = op.inputs[0], op.outputs[0]
+    """d image: `grad` at the tap of each window that XLA's select-and-scatter
+    picks, zero elsewhere."""
+    image = op.inputs[0]
     _, kh, kw, _ = op.get_attr("ksize")
     _, height, width, channels = image.shape.as_list()
     out_h, out_w = height // kh, width // kw  # SAME here only where they divide
     covered = image[:, :out_h * kh, :out_w * kw, :]
     windows = tf.reshape(covered, [-1, out_h, kh, out_w, kw, channels])
-    taken = None
-    rows = []
-    for a in range(kh):
-        row = []
-        for b in range(kw):
-            hit = tf.equal(windows[:, :, a, :, b, :], pooled)
-            if taken is not None:
-                hit = tf.logical_and(hit, tf.logical_not(taken))
-            taken = hit if taken is None else tf.logical_or(taken, hit)
-            row.append(tf.where(hit, grad, tf.zeros_like(grad)))
-        rows.append(tf.stack(row, axis=3))
+    taps = [windows[:, :, a, :, b, :] for a in range(kh) for b in range(kw)]
+    best, chosen = taps[0], tf.zeros_like(grad, tf.int32)
+    for index, tap in enumerate(taps[1:], start=1):
+        moves = tf.logical_not(tf.greater_equal(best, tap))
+        best = tf.where(moves, tap, best)
+        chosen = tf.where(moves, index, chosen)
+    zeros = tf.zeros_like(grad)
+    spread_taps = [tf.where(tf.equal(chosen, index), grad, zeros) for index in range(len(taps))]
+    rows = [tf.stack(spread_taps[a * kw:(a + 1) * kw], axis=3) for a in range(kh)]
     spread = tf.reshape(tf.stack(rows, axis=2), [-1, out_h * kh, out_w * kw, channels])
     missing = [height - out_h * kh, width - out_w * kw]  # VALID: rows no window reads
     if any(missing):
