@@ -29,8 +29,11 @@ def allocator_events(step, inputs, labels):
     from tensorflow.tsl.profiler.protobuf import xplane_pb2
     logdir = tempfile.mkdtemp()
     tf.profiler.experimental.start(logdir)
-    tf.nest.map_structure(lambda g: g, step(inputs, labels))  # returns once the step ran
+    # The results are held until the trace stops: their buffers (the weight gradients)
+    # are the ones the trace never frees (`returned_buffers`).
+    results = step(inputs, labels)
     tf.profiler.experimental.stop()
+    del results
     space = xplane_pb2.XSpace()
     with open(glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True)[-1], "rb") as f:
         space.ParseFromString(f.read())
@@ -87,6 +90,35 @@ def requested_peak(events):
         if size > 0:
             live[addr] = requested
             total += requested
+        elif addr in live:
+            total -= live.pop(addr)
+        peak = max(peak, total)
+    return peak
+
+
+def returned_buffers(events):
+    """Indices in `events` of the allocations the call never frees: the step's results
+    (its weight gradients), as `allocator_events` holds them until the trace ends."""
+    open_at = {}
+    for index, (_, size, addr, *_) in enumerate(events):
+        if size > 0:
+            open_at[addr] = index
+        else:
+            open_at.pop(addr, None)
+    return frozenset(open_at.values())
+
+
+def activation_peak(events, chunks=False):
+    """Peak over the call of the bytes live but the step's results (`returned_buffers`),
+    left out from their allocation on: the activations, their gradients and scratch at
+    their most, wherever the weight gradients stand then. Bytes requested, or the
+    allocator's chunks if `chunks`."""
+    returned = returned_buffers(events)
+    live, total, peak = {}, 0, 0
+    for index, (_, size, addr, _, _, requested) in enumerate(events):
+        if size > 0:
+            live[addr] = 0 if index in returned else (size if chunks else requested)
+            total += live[addr]
         elif addr in live:
             total -= live.pop(addr)
         peak = max(peak, total)
