@@ -12,7 +12,12 @@ measures the step's allocator peak (`function_peak_bytes`: statistics reset
 before each call; median of 3 calls after 2 warm-ups) minus the weight
 gradients it returns: activation memory, as predicted (`predicted`: bytes
 requested; `predicted_allocator`: the chunks TensorFlow's BFC allocator hands
-out, `core/allocator.py`). Step times are
+out, `core/allocator.py`). Where the weight gradients outweigh the activations
+(ResNet50) that difference is not the activations' peak: the third table
+compares the whole step (weight gradients counted as they appear) and, with
+`--requested`, the activation peak (each weight gradient left out while it
+lives: `live_set_diff.activation_peak` beside `timeline.step_peaks`;
+docs/planner.md). Step times are
 medians of calls made in turn across the methods, after the peaks.
 With `--threads 1` the subprocess runs TensorFlow with one inter-op thread;
 with `--jit` the step is compiled by XLA (`jit_compile=True`).
