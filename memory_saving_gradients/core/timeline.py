@@ -146,7 +146,7 @@ def step_peaks(model: GraphModel, plan: Optional[Plan] = None) -> tuple:
     gradients and scratch hold at one time. `Estimate.peak_bytes` is neither:
     it is the whole-step peak minus every weight gradient, less than the
     activations at the peak where that peak comes before the last weight
-    gradients exist (ResNet50 at 64 px: 94 MiB of weight gradients, most of
+    gradients exist (ResNet50 at 64 px: 90 MiB of weight gradients, most of
     them made early in backprop; docs/planner.md).
     """
     replay = _Replay(model, stock=plan is None,
