@@ -27,9 +27,13 @@ def allocator_events(step, inputs, labels):
     """
     import tensorflow as tf
     from memory_saving_gradients.tfgraph import profiled_allocations
-    # Returns once the step ran.
-    return profiled_allocations.allocator_events(
-        lambda: tf.nest.map_structure(lambda g: g, step(inputs, labels)))
+    # The results are held until the trace stops: their buffers (the weight gradients)
+    # are the ones the trace never frees (`returned_buffers`).
+    held = []
+    events = profiled_allocations.allocator_events(
+        lambda: held.append(tf.nest.map_structure(lambda g: g, step(inputs, labels))))
+    held.clear()
+    return events
 
 
 def requested_peak(events):
@@ -51,6 +55,35 @@ def measured_live_at_peak(events):
         if total > peak:
             peak, at_peak = total, dict(live)
     return peak, at_peak
+
+
+def returned_buffers(events):
+    """Indices in `events` of the allocations the call never frees: the step's results
+    (its weight gradients), as `allocator_events` holds them until the trace ends."""
+    open_at = {}
+    for index, (_, size, addr, *_) in enumerate(events):
+        if size > 0:
+            open_at[addr] = index
+        else:
+            open_at.pop(addr, None)
+    return frozenset(open_at.values())
+
+
+def activation_peak(events, chunks=False):
+    """Peak over the call of the bytes live but the step's results (`returned_buffers`),
+    left out from their allocation on: the activations, their gradients and scratch at
+    their most, wherever the weight gradients stand then. Bytes requested, or the
+    allocator's chunks if `chunks`."""
+    returned = returned_buffers(events)
+    live, total, peak = {}, 0, 0
+    for index, (_, size, addr, _, _, requested) in enumerate(events):
+        if size > 0:
+            live[addr] = 0 if index in returned else (size if chunks else requested)
+            total += live[addr]
+        elif addr in live:
+            total -= live.pop(addr)
+        peak = max(peak, total)
+    return peak
 
 
 def predicted_live_at_peak(model, plan):

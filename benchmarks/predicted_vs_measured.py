@@ -12,7 +12,12 @@ measures the step's allocator peak (`function_peak_bytes`: statistics reset
 before each call; median of 3 calls after 2 warm-ups) minus the weight
 gradients it returns: activation memory, as predicted (`predicted`: bytes
 requested; `predicted_allocator`: the chunks TensorFlow's BFC allocator hands
-out, `core/allocator.py`). Step times are
+out, `core/allocator.py`). Where the weight gradients outweigh the activations
+(ResNet50) that difference is not the activations' peak: the third table
+compares the whole step (weight gradients counted as they appear) and, with
+`--requested`, the activation peak (each weight gradient left out while it
+lives: `live_set_diff.activation_peak` beside `timeline.step_peaks`;
+docs/planner.md). Step times are
 medians of calls made in turn across the methods, after the peaks.
 With `--threads 1` the subprocess runs TensorFlow with one inter-op thread;
 with `--jit` the step is compiled by XLA (`jit_compile=True`).
@@ -211,20 +216,36 @@ def _measure_peak(method, traced, inputs, labels):
     predicted = est.baseline_bytes if stock else est.peak_bytes
     chunks = est.allocator_baseline_bytes if stock else est.allocator_peak_bytes
     budget = {"budget": int(traced["budget"].max_bytes)} if "budget" in traced else {}
+    _, activations = step_peaks(traced["plan"], stock)
     return {"method": method, "predicted": int(predicted),
             "predicted_allocator": int(chunks), **budget,
             "measured": int(statistics.median(peaks)) - weights,
-            "measured_all": [int(p) - weights for p in peaks]}
+            "measured_all": [int(p) - weights for p in peaks],
+            "weight_grads": int(weights), "predicted_activation": int(activations)}
+
+
+def step_peaks(plan, stock):
+    """The timeline's (whole-step peak, activation peak) of `plan`'s step, or of
+    stock tf.gradients' (`timeline.step_peaks`)."""
+    from memory_saving_gradients.core import timeline
+    return timeline.step_peaks(plan.model, None if stock else plan.plan)
 
 
 def _requested(traced, inputs, labels):
     """Peak of the bytes requested (BFC's chunk excess left out) minus the weight
-    gradients, median of 3 profiled calls (benchmarks/live_set_diff.py)."""
-    from benchmarks.live_set_diff import allocator_events, requested_peak
+    gradients, and the activation peak (the step's results left out while they
+    live, `live_set_diff.activation_peak`; bytes requested and chunks), medians
+    of 3 profiled calls (benchmarks/live_set_diff.py)."""
+    from benchmarks.live_set_diff import activation_peak, allocator_events, requested_peak
     weights = loss_and_weights_bytes(traced["plan"])
-    peaks = [requested_peak(allocator_events(traced["step"], inputs, labels)) - weights
-             for _ in range(3)]
-    return {"requested": int(statistics.median(peaks)), "requested_all": peaks}
+    calls = [allocator_events(traced["step"], inputs, labels) for _ in range(3)]
+    peaks = [requested_peak(events) - weights for events in calls]
+    activations = [activation_peak(events) for events in calls]
+    chunks = [activation_peak(events, chunks=True) for events in calls]
+    return {"requested": int(statistics.median(peaks)), "requested_all": peaks,
+            "requested_activation": int(statistics.median(activations)),
+            "requested_activation_all": activations,
+            "activation_chunks": int(statistics.median(chunks))}
 
 
 def _step_seconds(steps, inputs, labels):
@@ -281,7 +302,33 @@ def write_table(rows, path):
                      f"{r['predicted'] / 2**20:.1f} | {_shown(chunks, 2**20, '.1f')} | "
                      f"{r['measured'] / 2**20:.1f} | {r['predicted'] / measured:.2f} | "
                      f"{_shown(chunks, measured, '.2f')} |")
-    path.write_text("\n".join(lines + [""] + ratio_lines(rows)) + "\n")
+    path.write_text("\n".join(lines + [""] + ratio_lines(rows) + [""] + peak_lines(rows))
+                    + "\n")
+
+
+def peak_lines(rows):
+    """Markdown: the whole step's peak (weight gradients counted as they appear)
+    and the activation peak (weight gradients left out while they live),
+    predicted by the timeline beside measured, for rows that have them. The
+    measured activation peak is profiled (`--requested`), in bytes requested."""
+    lines = ["| model | method | threads | whole step: predicted / measured MiB (ratio) | "
+             "activation peak: predicted / measured MiB (ratio) | activation peak, "
+             "allocator chunks MiB |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r or "weight_grads" not in r:
+            continue
+        predicted, measured = (r[k] + r["weight_grads"] for k in ("predicted", "measured"))
+        activation = r.get("requested_activation")
+        shown = "" if activation is None else _pair(r["predicted_activation"], activation)
+        lines.append(f"| {r['model']} | {r['method']} | {r['threads']} | "
+                     f"{_pair(predicted, measured)} | {shown} | "
+                     f"{_shown(r.get('activation_chunks'), 2**20, '.1f')} |")
+    return lines if len(lines) > 2 else []
+
+
+def _pair(predicted, measured):
+    return (f"{predicted / 2**20:.1f} / {measured / 2**20:.1f} "
+            f"({predicted / max(measured, 1):.2f})")
 
 
 def _shown(value, divisor, spec):
@@ -300,16 +347,20 @@ def ratio_lines(rows):
         return ours[field] / stock[field]
 
     lines = ["| model | mode | memory, default threads | memory, 1 inter-op thread | "
-             "difference | time, default | time, 1 thread |", "|---|---|---|---|---|---|---|"]
+             "difference | time, default | time, 1 thread | activation peak, default / 1 "
+             "thread |", "|---|---|---|---|---|---|---|---|"]
     for model in dict.fromkeys(r["model"] for r in rows):
         for mode in METHODS[1:]:
             memory = [ratio(model, mode, t, "measured") for t in ("default", "1")]
             if None in memory:
                 continue
             times = [ratio(model, mode, t, "seconds") for t in ("default", "1")]
-            shown = ["" if t is None else f"{t:.2f}" for t in times]
+            # Without the weight gradients at any time (profiled: `--requested`).
+            peaks = [ratio(model, mode, t, "requested_activation") for t in ("default", "1")]
+            shown = ["" if t is None else f"{t:.2f}" for t in times + peaks]
             lines.append(f"| {model} | {mode} | {memory[0]:.2f} | {memory[1]:.2f} | "
-                         f"{abs(memory[0] - memory[1]):.2f} | {shown[0]} | {shown[1]} |")
+                         f"{abs(memory[0] - memory[1]):.2f} | {shown[0]} | {shown[1]} | "
+                         f"{shown[2]} / {shown[3]} |")
     return lines
 
 

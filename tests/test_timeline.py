@@ -108,6 +108,18 @@ def test_weight_gradients_are_outputs_not_activation_memory():
     assert timeline.predict(with_weights).peak_bytes <= timeline.predict(model).peak_bytes
 
 
+def test_activation_peak_leaves_weight_gradients_out_while_they_live():
+    model, names = chain(6, reads="output")
+    late, _ = chain(6, reads="output", weight_grad_bytes={names[0]: 10 * B})
+    whole, activations = timeline.step_peaks(late)
+    # The first op's 10 B weight gradient is made last, when the six kept outputs
+    # are gone: the step peaks then, and its peak minus the weight gradient is
+    # not the activations' peak (reached at the start of backprop).
+    assert activations == timeline.predict(model).peak_bytes >= 6 * B
+    assert whole == timeline.predict(late).peak_bytes + 10 * B
+    assert timeline.predict(late).peak_bytes < activations
+
+
 def test_prediction_is_linear_in_model_size():
     # 20,000 ops in well under the time a quadratic pass would take.
     model, names = chain(20_000, reads="output")

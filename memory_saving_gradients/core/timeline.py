@@ -137,6 +137,24 @@ def _baseline_peak(model):
                               lambda m: _Replay(m, stock=True).run(()))
 
 
+def step_peaks(model: GraphModel, plan: Optional[Plan] = None) -> tuple:
+    """(whole-step peak, activation peak) of `plan` (None: stock tf.gradients), in bytes.
+
+    The whole-step peak counts each weight gradient from the step that makes
+    it, as the allocator does; the activation peak leaves the weight
+    gradients out at every step, so it is the most the activations, their
+    gradients and scratch hold at one time. `Estimate.peak_bytes` is neither:
+    it is the whole-step peak minus every weight gradient, less than the
+    activations at the peak where that peak comes before the last weight
+    gradients exist (ResNet50 at 64 px: 90 MiB of weight gradients, most of
+    them made early in backprop; docs/planner.md).
+    """
+    replay = _Replay(model, stock=plan is None,
+                     stacked=frozenset() if plan is None else plan.loops.stacked)
+    replay.run(() if plan is None else plan.levels)
+    return replay._peak(), int(replay._live(frozenset(replay.weight_keys)).max())
+
+
 def op_order(model: GraphModel) -> tuple:
     """Op names in topological order (by their first output in `model.order`)."""
     return op_table.order(model)
@@ -342,13 +360,19 @@ class _Replay(LoopEvents):
         return sum(self.born[key][1] for key in self.weight_keys)
 
     def _peak(self):
-        """Max over steps of the bytes alive (difference array, linear)."""
+        """Max over steps of the bytes alive."""
+        return int(self._live().max())
+
+    def _live(self, skip=frozenset()):
+        """Bytes alive at each step (difference array, linear), buffers `skip` left out."""
         end = self.step + 2
-        count = len(self.born)
-        born = np.fromiter(itertools.chain.from_iterable(self.born.values()), np.int64,
+        keys = [key for key in self.born if key not in skip] if skip else self.born
+        count = len(keys)
+        intervals = map(self.born.__getitem__, keys) if skip else self.born.values()
+        born = np.fromiter(itertools.chain.from_iterable(intervals), np.int64,
                            2 * count).reshape(count, 2)
         starts, sizes = born[:, 0], born[:, 1]
-        last_use = np.fromiter(map(self.last_use.__getitem__, self.born), np.float64, count)
+        last_use = np.fromiter(map(self.last_use.__getitem__, keys), np.float64, count)
         stops = np.where(last_use == _END, end, last_use + 1).astype(np.int64)
         delta = np.zeros(end + 1, np.int64)
         np.add.at(delta, starts, sizes)
@@ -356,7 +380,7 @@ class _Replay(LoopEvents):
         live = np.cumsum(delta[:end])
         for step, size in self.transient:
             live[step] += size
-        return int(live.max())
+        return live
 
 
 def _forward_pass_of(model):

@@ -76,9 +76,13 @@ def is_pointwise(op: tf.Operation) -> bool:
 
 def workspace_bytes(op: tf.Operation, input_gradient: bool = True) -> int:
     """Scratch of our gradient of eligible `op` besides its results: the filter
-    gradient's tap slices of the image and of the output gradient, and unless
+    gradient's tap slices of the image and of the output gradient and its per-tap
+    products (a filter's bytes, until stacked), and unless
     `input_gradient` is False (the image is not differentiated: TensorFlow
-    prunes that part) the input gradient's product and spread output gradient."""
+    prunes that part) the input gradient's product and spread output gradient,
+    and a spatial filter's flipped copy (`ReverseV2`, then `Transpose`: two
+    filters' bytes alive at once; ResNet50's 3x3 512 -> 512 ones 18 MiB, the
+    largest buffers at its plans' activation peaks, docs/planner.md)."""
     if is_pointwise(op):
         return 0
     _, w, out = roles(op)
@@ -87,11 +91,18 @@ def workspace_bytes(op: tf.Operation, input_gradient: bool = True) -> int:
     out_bytes = op_kinds.tensor_bytes(out)
     per_channel_in = out_bytes // out.shape[-1] * channels_in
     taps = per_channel_in + out_bytes  # one slice of each, whatever the stride
+    # The per-tap products, a filter's bytes in all, alive until they are stacked
+    # into the filter gradient.
+    parts = op_kinds.tensor_bytes(w)
     if op.type == "Conv2DBackpropInput" or not input_gradient:
-        return taps  # a transposed one's input gradient is a forward Conv2D (little scratch)
+        return taps + parts  # a transposed one's input gradient is a forward Conv2D
     spread = stride_h * stride_w * (per_channel_in if (kh, kw) == (1, 1) else out_bytes)
     product = per_channel_in if (kh, kw) == (1, 1) else 0
-    return taps + (0 if spread == out_bytes else 2 * spread) + product
+    # The flipped filter is made, read and freed by the input gradient, the parts by
+    # the filter gradient: one op at a time (the timeline's order), not both at once
+    # (with several threads they met: ResNet50's plans measured 9 MiB higher).
+    flipped = 0 if (kh, kw) == (1, 1) else 2 * op_kinds.tensor_bytes(w)
+    return taps + (0 if spread == out_bytes else 2 * spread) + product + max(parts, flipped)
 
 
 @contextlib.contextmanager
