@@ -149,9 +149,9 @@ def step_peaks(model: GraphModel, plan: Optional[Plan] = None) -> tuple:
     gradients exist (ResNet50 at 64 px: 90 MiB of weight gradients, most of
     them made early in backprop; docs/planner.md).
     """
-    replay = _Replay(model, stock=plan is None,
-                     stacked=frozenset() if plan is None else plan.loops.stacked)
-    replay.run(() if plan is None else plan.levels)
+    stock = plan is None or plan.stock
+    replay = _Replay(model, stock=stock, stacked=frozenset() if stock else plan.loops.stacked)
+    replay.run(() if stock else plan.levels)
     return replay._peak(), int(replay._live(frozenset(replay.weight_keys)).max())
 
 
