@@ -156,6 +156,7 @@ def measure(model_name, methods, threads, jit=False, requested=False):
     steps = {m: t for m, t in traced.items() if "error" not in t}
     seconds = _step_seconds({m: t["step"] for m, t in steps.items()}, inputs, labels)
     rows = [_measure_peak(method, traced[method], inputs, labels) | {"seconds": seconds[method]}
+            | _stock_range(method, traced[method], threads)
             if method in steps else {"method": method, "error": traced[method]["error"]}
             for method in methods]
     for row in rows if requested else ():  # profiled after every peak: they share the allocator
@@ -215,6 +216,17 @@ def _measure_peak(method, traced, inputs, labels):
             "predicted_allocator": int(chunks), **budget,
             "measured": int(statistics.median(peaks)) - weights,
             "measured_all": [int(p) - weights for p in peaks]}
+
+
+def _stock_range(method, traced, threads):
+    """tf.gradients' rows: the peak replayed in the executor's order, both out-edge
+    orders (`timeline.stock_peak_range`), with the step's inter-op threads."""
+    if method != METHODS[0]:
+        return {}
+    from memory_saving_gradients.core import timeline
+    count = 1 if threads == "1" else os.cpu_count()
+    low, high = timeline.stock_peak_range(traced["plan"].model, count)
+    return {"predicted_range": [int(low), int(high)]}
 
 
 def _requested(traced, inputs, labels):
