@@ -354,6 +354,8 @@ class _Replay(LoopEvents):
             if part != stock_order.WEIGHTS:
                 self._held_since_forward(op, row)
                 self._scratch(self.workspace.get(op, 0))
+                if op in model.loops:
+                    self._loop_backward(op, model.loops[op], ("fwd",))
                 # A BiasAdd passes its output gradient on as its input's: one buffer.
                 passed = (held[op] if part == stock_order.DATA and len(held[op]) == 1
                           and row.op_type in stock_order.PASS_THROUGH else None)
