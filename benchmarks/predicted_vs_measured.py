@@ -161,6 +161,7 @@ def measure(model_name, methods, threads, jit=False, requested=False):
     steps = {m: t for m, t in traced.items() if "error" not in t}
     seconds = _step_seconds({m: t["step"] for m, t in steps.items()}, inputs, labels)
     rows = [_measure_peak(method, traced[method], inputs, labels) | {"seconds": seconds[method]}
+            | _stock_range(method, traced[method], threads)
             if method in steps else {"method": method, "error": traced[method]["error"]}
             for method in methods]
     for row in rows if requested else ():  # profiled after every peak: they share the allocator
@@ -229,6 +230,17 @@ def step_peaks(plan, stock):
     stock tf.gradients' (`timeline.step_peaks`)."""
     from memory_saving_gradients.core import timeline
     return timeline.step_peaks(plan.model, None if stock else plan.plan)
+
+
+def _stock_range(method, traced, threads):
+    """tf.gradients' rows: the peak replayed in the executor's order, both out-edge
+    orders (`timeline.stock_peak_range`), with the step's inter-op threads."""
+    if method != METHODS[0]:
+        return {}
+    from memory_saving_gradients.core import timeline
+    count = 1 if threads == "1" else os.cpu_count()
+    low, high = timeline.stock_peak_range(traced["plan"].model, count)
+    return {"predicted_range": [int(low), int(high)]}
 
 
 def _requested(traced, inputs, labels):

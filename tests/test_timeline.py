@@ -8,6 +8,7 @@ gradient in reverse order, each tensor freed after its last reader).
 import dataclasses
 
 import networkx as nx
+import pytest
 
 from memory_saving_gradients.core import planning
 from memory_saving_gradients.core import timeline
@@ -269,3 +270,15 @@ def test_custom_gradient_facts():
     plan = planning.make_plan(early, {names[4]}, "list")
     assert timeline.predict(early).baseline_bytes >= 10 * B
     assert timeline.predict(early, plan).peak_bytes < 10 * B
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_stock_range_is_predict_without_separate_weight_gradients(threads):
+    # A chain of ops whose gradient is one op each (a loop among them): the executor's
+    # order (stock_order.parts) is backprop's, so the range is predict's point, loop
+    # stacks included.
+    model, _ = chain(8, reads="output")
+    looped = with_loop(model, "t02", trip_count=10, iteration_bytes=B, state_bytes=B)
+    for m in (model, looped):
+        stock = timeline.predict(m).baseline_bytes
+        assert timeline.stock_peak_range(m, threads) == (stock, stock)

@@ -34,6 +34,7 @@ import numpy as np
 
 from memory_saving_gradients.core import allocator
 from memory_saving_gradients.core import op_table
+from memory_saving_gradients.core import stock_order
 from memory_saving_gradients.core.loop_events import LoopEvents
 from memory_saving_gradients.core.model import GraphModel
 from memory_saving_gradients.core.planning import Plan
@@ -118,6 +119,24 @@ def with_allocator_peaks(model: GraphModel, plan: Optional[Plan],
                                allocator_baseline_bytes=stock)
 
 
+def stock_peak_range(model: GraphModel, threads: int = 1) -> tuple:
+    """(low, high): stock tf.gradients' peak replayed in the executor's order.
+
+    `stock_order.parts` runs stock backprop through a simulation of
+    TensorFlow's ready queue with `threads` inter-op threads, once with each
+    out-edge order it cannot tell apart (a data gradient listed after its
+    weight gradient, or before), and replays each order one op at a time. With
+    one thread, weight gradients listed first wait until the chain of data
+    gradients stops, holding their reads: the high end. Which order the
+    executor sees is the optimized graph's, measured to differ between layers
+    of one model (docs/planner.md), so this is a range, not `predict`'s point.
+    """
+    peaks = [_Replay(model, stock=True,
+                     stock_parts=stock_order.parts(model, threads, data_last)).run(())
+             for data_last in (False, True)]
+    return min(peaks), max(peaks)
+
+
 def _allocator_peak(replay, levels):
     replay.run(levels)
     events = allocator.lifetime_events(replay.born, replay.last_use, replay.transient)
@@ -183,8 +202,9 @@ class _Replay(LoopEvents):
     plan leaves to the stock gradient too (`planning.LoopModes`).
     """
 
-    def __init__(self, model, stock=False, stacked=frozenset()):
+    def __init__(self, model, stock=False, stacked=frozenset(), stock_parts=None):
         self.model = model
+        self.stock_parts = stock_parts  # the executor's order of stock backprop (`stock_order`)
         self.planned = not stock
         self.stacked = stacked
         self.workspace = {**model.workspace, **model.stock_workspace} if stock else model.workspace
@@ -211,7 +231,10 @@ class _Replay(LoopEvents):
         self.copied = copied
         self._forward_pass()
         tail = [op for op in order if op not in copied and op not in kept_roots]
-        self._backward(tail, {})
+        if self.stock_parts is not None and not levels:
+            self._backward_parts(self.stock_parts)
+        else:
+            self._backward(tail, {})
         for number in reversed(range(len(levels))):
             self._level(number, levels[number], kept_roots)
         return self._peak() - self._weight_grad_bytes()
@@ -325,6 +348,60 @@ class _Replay(LoopEvents):
                 self._alloc(key, weights)
                 self.last_use[key] = _END
                 self.weight_keys.add(key)
+
+    def _backward_parts(self, parts):
+        """Stock backprop in the executor's order: (op, part) from `stock_order.parts`.
+
+        A data part reads the op's output gradients only (a MatMul's or a
+        convolution's input gradient reads the weights, not activations); the
+        weight part reads them and the activations, and makes the weight
+        gradient. Each keeps the output gradients alive until it has run.
+        """
+        model, rows, pending = self.model, self.rows, self.pending
+        forward_keys = op_table.per_model(model, "forward_keys", _forward_keys)
+        held = {}  # op -> its output gradients' keys, for its part still to run
+        for op, part in parts:
+            self.step += 1
+            row = rows[op]
+            if op not in held:
+                held[op] = self._summed(row.outputs)
+            read = held[op]
+            if part != stock_order.DATA:
+                read = read + [forward_keys[t] for t in row.reads]
+            self._use_all(read)
+            if part != stock_order.WEIGHTS:
+                self._held_since_forward(op, row)
+                self._scratch(self.workspace.get(op, 0))
+                if op in model.loops:
+                    self._loop_backward(op, model.loops[op], ("fwd",))
+                # A BiasAdd passes its output gradient on as its input's: one buffer.
+                passed = (held[op] if part == stock_order.DATA and len(held[op]) == 1
+                          and row.op_type in stock_order.PASS_THROUGH else None)
+                for t, size in row.grads:
+                    key = ("grad", op, t)
+                    self._alloc(key, 0 if passed else size)
+                    if passed:
+                        self.alias[key] = passed[0]
+                    pending.setdefault(t, []).append(key)
+            weights = model.weight_grad_bytes.get(op, 0)
+            if weights and part != stock_order.DATA:
+                key = ("weights", op)
+                self._alloc(key, weights)
+                self.last_use[key] = _END
+                self.weight_keys.add(key)
+
+    def _summed(self, outputs):
+        """Keys of the gradients of `outputs`, the parts of one summed first (AddN):
+        a gradient part that waits holds the sum, not the parts."""
+        keys = []
+        for o in outputs:
+            found = self.pending.pop(o, ())
+            if len(found) > 1:
+                self._use_all(found)
+                self._alloc(("sum", o), self.tensors[o].bytes)
+                found = [("sum", o)]
+            keys.extend(found)
+        return keys
 
     def _held_since_forward(self, op, row):
         """The op's early gradient parts (`model.early_workspace`): alive from its
