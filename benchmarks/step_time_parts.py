@@ -14,6 +14,15 @@ inter-op thread), on one model and batch, each variant is a tf.function:
 * `memory, leaves unordered`: the same rewrite without `leaf_order`
   (chain steps not waiting for the leaf gradients made before them): what
   that order costs in time and saves in memory;
+* `memory, copies wait directly`: the same with the copies that wait for
+  the level's gradients given the control inputs themselves (as before
+  `copying.waiting_through_input`), which keeps grappler's remapper from
+  fusing them (MatMul + BiasAdd + Relu);
+* `memory, every leaf waited`: the same with each chain op waiting for every
+  leaf gradient made before it, also those whose inputs stay alive past it
+  anyway (`leaf_order._alive_anyway` off);
+* `memory, as before s22`: both of the last two off (the rewrite's order as
+  before branch s22-mlp-time);
 * `memory, stock copies`: the same with
   `transposed_copies.recomputes_scratch_free` off (plan and copies of
   transposed convolutions as the stock op, before the scratch-free copies;
@@ -41,29 +50,35 @@ from benchmarks.predicted_vs_measured import MODELS, RESULTS, loss_and_weights
 from benchmarks.predicted_vs_measured import loss_and_weights_bytes
 
 VARIANTS = ("tf.gradients", "forward", "memory", "memory, no gates", "memory, leaves unordered",
+            "memory, copies wait directly", "memory, every leaf waited", "memory, as before s22",
             "memory, stock copies")
 
 
 @contextlib.contextmanager
 def _switched_off(variant):
-    """The variant's part of the rewrite off while a step is traced (module docstring)."""
+    """The variant's parts of the rewrite off while a step is traced (module docstring)."""
+    from memory_saving_gradients.tfgraph import copying
     from memory_saving_gradients.tfgraph import gradient_waits
     from memory_saving_gradients.tfgraph import leaf_order
     from memory_saving_gradients.tfgraph import transposed_copies
-    module, name, stand_in = {
-        "memory, no gates": (gradient_waits, "gate", lambda gradients: None),
-        "memory, leaves unordered": (leaf_order, "order_leaves", lambda *args: 0),
-        "memory, stock copies": (transposed_copies, "recomputes_scratch_free", lambda op: False),
-    }.get(variant, (None, None, None))
-    if module is None:
-        yield
-        return
-    original = getattr(module, name)
-    setattr(module, name, stand_in)
+    copies_wait = (copying, "waiting_through_input", lambda graph, inputs, waits: (inputs, waits))
+    every_leaf = (leaf_order, "_alive_anyway", lambda leaf, step, chain_position: False)
+    switches = {
+        "memory, no gates": [(gradient_waits, "gate", lambda gradients: None)],
+        "memory, leaves unordered": [(leaf_order, "order_leaves", lambda *args: 0)],
+        "memory, copies wait directly": [copies_wait],
+        "memory, every leaf waited": [every_leaf],
+        "memory, as before s22": [copies_wait, every_leaf],
+        "memory, stock copies": [(transposed_copies, "recomputes_scratch_free", lambda op: False)],
+    }.get(variant, [])
+    originals = [(module, name, getattr(module, name)) for module, name, _ in switches]
+    for module, name, stand_in in switches:
+        setattr(module, name, stand_in)
     try:
         yield
     finally:
-        setattr(module, name, original)
+        for module, name, original in originals:
+            setattr(module, name, original)
 
 
 def traced(model, inputs, labels, variant):

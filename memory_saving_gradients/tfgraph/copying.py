@@ -88,6 +88,8 @@ def copy_level(graph: tf.Graph, level: Level, seeds: dict, level_gate, stub) -> 
             with graph.control_dependencies(waits):
                 inputs = [tf.identity(i) for i in inputs]
             waits = []
+        elif waits and inputs:
+            inputs, waits = waiting_through_input(graph, inputs, waits)
         if op.type in loops.LOOP_OP_TYPES:
             outputs = loop_chunks.copy_loop(op, inputs)  # in chunks if it can
         else:
@@ -97,6 +99,26 @@ def copy_level(graph: tf.Graph, level: Level, seeds: dict, level_gate, stub) -> 
             new_t.set_shape(old_t.shape)
             copies[old_t.name] = new_t
     return copies
+
+
+def waiting_through_input(graph: tf.Graph, inputs: list, waits: list) -> tuple:
+    """(`inputs` with one of them read through an Identity that waits for
+    `waits`, no control inputs left to add to the copy).
+
+    The copy then waits as if it had the control inputs itself, but has none:
+    grappler's remapper fuses no contraction with a control input
+    (MatMul + BiasAdd + Relu into one _FusedMatMul, Conv2D likewise), and
+    unfused, the first copy of each level of the 256-block MLP ran three
+    kernels and wrote two more full-size buffers (docs/planner.md, "MLP-256
+    step time"). A float input if there is one: an Identity takes no buffer
+    of its own, and on a GPU an integer one would sit in host memory.
+    """
+    at = next((i for i, t in enumerate(inputs) if t.dtype.is_floating), 0)
+    with graph.control_dependencies(waits):
+        waiting = tf.identity(inputs[at])
+    if inputs[at].op.device:
+        compat.set_device(waiting.op, inputs[at].op.device)
+    return inputs[:at] + [waiting] + inputs[at + 1:], []
 
 
 def _copy_op(graph: tf.Graph, op: tf.Operation, inputs: list) -> list:

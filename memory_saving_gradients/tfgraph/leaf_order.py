@@ -17,7 +17,9 @@ input gradient, then the slice that unpads it) ran beside the leaf, each
 allocating a full-size buffer while the leaf still held the recomputed input
 both read; on MobileNetV2 at batch 112 that was one 42 MiB buffer more at
 the peak (docs/planner.md). A leaf still runs beside the chain op made just
-before it (its own layer's input gradient, which reads the same tensors).
+before it (its own layer's input gradient, which reads the same tensors),
+and beside later chain ops as long as that step or a later one reads every
+tensor the leaf reads (waiting would free nothing sooner; `_alive_anyway`).
 Each edge runs from an earlier-made op to a later one, so no cycle can form.
 """
 
@@ -47,15 +49,36 @@ def order_leaves(new_ops: list, seeds: list, recomputed: set, to_weights: list,
     steps = {op for op in carrying if any(t.ref() in recomputed for t in op.inputs)}
     on_chain = _leading_to(new_ops, carrying, steps, _refs(onward))
     needed = _leading_to(new_ops, carrying, set(), _refs(to_weights + onward))
+    chain = [op for op in new_ops if op in on_chain]
+    later_chain = {op: i for i, op in enumerate(chain)}
     added = 0
     waiting = []
     for op in new_ops:
         if op in on_chain:
-            added += _wait_for(op, waiting)
-            waiting = []
+            now = [leaf for leaf in waiting if not _alive_anyway(leaf, op, later_chain)]
+            added += _wait_for(op, now)
+            waiting = [leaf for leaf in waiting if leaf not in now]
         elif op in needed and op not in on_chain:
             waiting.append(op)
     return added
+
+
+def _alive_anyway(leaf, step, chain_position: dict) -> bool:
+    """True when every tensor `leaf` reads is read by `step` or by a chain op made
+    after it, so stays alive until `step` has run whatever `leaf` does.
+
+    Then `step` waiting for `leaf` frees nothing sooner and only keeps the two
+    from running side by side: on the 256-block MLP a block's weight gradient
+    (reading its ReLU output and incoming gradient) held up the ReLU's gradient
+    (reading the same ReLU output; the incoming gradient goes on to the
+    residual sum), and with two inter-op threads a quarter of the backward
+    matmuls ran alone (docs/planner.md, "MLP-256 step time"). The leaf then
+    waits for a later chain op, the first for which this is not so.
+    """
+    position = chain_position[step]
+    return all(any(reader is step or chain_position.get(reader, -1) > position
+                   for reader in t.consumers())
+               for t in leaf.inputs)
 
 
 def _wait_for(step, leaves: list) -> int:
