@@ -9,6 +9,11 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # Allocator statistics for function_peak_bytes on any CPU (see measure.py).
 os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "1")
+# TensorFlow's own CPU kernels on every host: with oneDNN (on by default where the
+# CPU has AVX-512 VNNI or AMX) convolution gradients take no scratch, and the
+# memory tests would measure another host's kernels. test_onednn_hosts.py runs
+# with oneDNN on.
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402

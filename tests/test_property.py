@@ -256,6 +256,11 @@ _POOLING = frozenset({"max_pool", "avg_pool"})
 def _check(problem, runtime):
     kinds = {kind for kind, _, _ in problem["nodes"]}
     tolerance = max([1e-9] + [_LOW_PRECISION[k] for k in kinds if k in _LOW_PRECISION])
+    if runtime == "xla" and kinds & _FLOAT32_INSIDE:
+        # XLA fuses the float32 batch norm with other neighbours in our graph than
+        # in stock's: first orders then differ by float32 rounding too (a drawn
+        # example: x's gradient 1e-7 relative apart, stock and ours alike on main).
+        tolerance = max(tolerance, 1e-5)
     x = np.random.RandomState(len(problem["nodes"])).randn(4, WIDTH)
     outcome = gradients_vs_stock(runtime, _build(problem), {"x": x}, modes=("memory", "speed"))
     random = bool(kinds & _RANDOM)
