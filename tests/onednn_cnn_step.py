@@ -1,5 +1,6 @@
-"""A small CNN's "memory" step with oneDNN's kernels on, in a fresh process
-(test_onednn_hosts.py; the suite itself runs TensorFlow's own kernels).
+"""The residual CNN of cnn_budget_peak.py: its "memory" step with oneDNN's
+kernels on, in a fresh process (test_onednn_hosts.py; the suite itself runs
+TensorFlow's own kernels).
 
     TF_ENABLE_ONEDNN_OPTS=1 python -m tests.onednn_cnn_step
 
@@ -22,22 +23,12 @@ import memory_saving_gradients as msg  # noqa: E402
 from benchmarks.live_set_diff import allocator_events  # noqa: E402
 from benchmarks.live_set_diff import requested_peak  # noqa: E402
 from memory_saving_gradients.tfgraph import workspace  # noqa: E402
-
-SHAPE, BLOCKS = (8, 32, 32, 32), 6
+from tests.cnn_budget_peak import residual_cnn  # noqa: E402
 
 
 def main():
-    rng = np.random.RandomState(0)
-    kernels = [tf.Variable(rng.randn(3, 3, SHAPE[-1], SHAPE[-1]).astype(np.float32) * 0.1)
-               for _ in range(BLOCKS)]
-    images = tf.constant(rng.randn(*SHAPE).astype(np.float32))
+    kernels, images, loss_of = residual_cnn()
     found = {}
-
-    def loss_of(x):
-        h = x
-        for k in kernels:
-            h = h + tf.nn.relu(tf.nn.conv2d(h, k, 1, "SAME"))
-        return tf.reduce_sum(h * h)
 
     @tf.function
     def ours(x, _):
