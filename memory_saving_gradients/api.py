@@ -191,7 +191,9 @@ def _plan(ys, xs, checkpoints):
         num_recomputed_ops=plan.num_recomputed_ops,
         num_forward_ops=model.num_region_ops,
         estimate=result.estimate,
-        notes=result.notes + loop_chunks.describe(graph, read.region, plan.loops.stacked),
+        # tf.gradients itself (a stock plan) reruns no loop.
+        notes=result.notes + (() if plan.stock else loop_chunks.describe(
+            graph, read.region, plan.loops.stacked)),
         plan=plan,
         model=model,
         reading=read,

@@ -19,6 +19,16 @@ import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from harness import RUNTIMES  # noqa: E402
+from memory_saving_gradients.core import strategies  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _rewrite_where_stock_is_predicted_lower(request, monkeypatch):
+    """Most tests check the rewrite on toy graphs, where 'memory' and 'speed'
+    would leave the gradient to tf.gradients (no plan predicted below it);
+    tests marked `stock_fallback` check that fallback itself."""
+    if request.node.get_closest_marker("stock_fallback") is None:
+        monkeypatch.setattr(strategies, "STOCK_FALLBACK", False)
 
 
 @pytest.fixture(params=RUNTIMES)

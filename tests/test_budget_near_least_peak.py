@@ -12,6 +12,7 @@ from memory_saving_gradients.core import strategies
 from tests.random_models import random_model
 
 
+@pytest.mark.stock_fallback
 def test_a_budget_that_tf_gradients_fits_is_not_refused():
     # On this model the cut model's least-peak candidates are priced at 114 MiB
     # and the 'speed' plan (keeping only what must be kept) at 96 MiB, both

@@ -24,6 +24,8 @@ from test_property import WIDTH
 # tf.gradients at 40ac6c9 (seed, ops): 'memory' and 'speed' on each.
 ABOVE_STOCK = [(10, 60), (15, 60), (24, 100), (6, 30)]
 
+pytestmark = pytest.mark.stock_fallback
+
 
 @pytest.mark.parametrize("seed, ops", ABOVE_STOCK)
 @pytest.mark.parametrize("mode", ["memory", "speed"])
@@ -78,3 +80,24 @@ def test_stock_fallback_gradients_are_tf_gradients(mode):
                                   [tf.convert_to_tensor(g) for g in stock]])
     for a, b in zip(got, want):
         np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-14)
+
+
+def test_a_stock_plan_notes_no_loop_as_rerun():
+    """tf.gradients itself reruns no loop: the plan's notes said every loop was
+    rerun (whole or in chunks), as for a rewrite (adversarial review)."""
+    w = tf.Variable(tf.random.stateless_normal([16, 16], seed=[3, 0]) * 0.3)
+    found = {}
+
+    @tf.function
+    def step(x):
+        _, h = tf.while_loop(lambda i, h: i < 3, lambda i, h: (i + 1, tf.tanh(h @ w)),
+                             (tf.constant(0), x), maximum_iterations=3)
+        loss = tf.reduce_sum(h * h)
+        roomy = msg.budget(2**30)  # tf.gradients fits: its plan is the stock one
+        found["plan"] = msg.checkpoint_plan(loss, [w], roomy)
+        return msg.gradients(loss, [w], checkpoints=roomy)
+
+    step(tf.random.stateless_normal([4, 16], seed=[1, 1]))
+    plan = found["plan"]
+    assert plan.plan.stock, plan
+    assert not any(note.startswith("loop ") for note in plan.notes), plan.notes

@@ -43,6 +43,10 @@ MAX_CUTS = 128  # candidate cuts on large graphs (all op boundaries below that)
 CANDIDATE_PLANS = 6  # of the cut model, priced by the timeline
 MAX_PRICED = 32  # plans whose prices are remembered per model (a strategy prices about 10)
 FIT_RETRIES = 4  # re-solves with a tighter cut-model budget when the prediction overshoots
+# 'memory' and 'speed' leave the gradient to tf.gradients when no plan is
+# predicted below its peak. False: always rewrite (to see the rewrite at work
+# on a toy graph whose plans save nothing; the test suite does, see conftest).
+STOCK_FALLBACK = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,7 +240,7 @@ def _solved(model, name, forbidden, problem=None):
     """
     priced = _candidates(model, name, forbidden, problem)
     best = min(priced, key=lambda r: (r.peak_bytes, r.recompute_flops))
-    if best.peak_bytes < best.estimate.baseline_bytes:
+    if best.peak_bytes < best.estimate.baseline_bytes or not STOCK_FALLBACK:
         return best
     # A plan that saves nothing would still cost its recompute (and, with
     # hundreds of levels, minutes of graph building): a user asking for less
