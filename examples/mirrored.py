@@ -79,7 +79,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--batch", type=int, default=16, help="global batch size")
+    parser.add_argument("--batch", type=int, default=512, help="global batch size")
     args = parser.parse_args(argv)
     logging.basicConfig(format="%(message)s")
     logging.getLogger("memory_saving_gradients").setLevel(logging.INFO)  # print the plans

@@ -31,7 +31,7 @@ from examples import mirrored
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--batch", type=int, default=16, help="global batch size")
+    parser.add_argument("--batch", type=int, default=512, help="global batch size")
     parser.add_argument("--out", help="write the final weights here as JSON")
     args = parser.parse_args(argv)
     logging.basicConfig(format="%(message)s")

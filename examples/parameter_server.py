@@ -38,7 +38,7 @@ def local_cluster(workers=2, parameter_servers=1):
     return cluster
 
 
-def train(strategy, grad_fn, steps, depth=6, width=16, learning_rate=0.01):
+def train(strategy, grad_fn, steps, depth=6, width=16, batch=128, learning_rate=0.01):
     """Trains `steps` scheduled SGD steps; returns the final weights as numpy arrays."""
     coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
     with strategy.scope():
@@ -51,10 +51,10 @@ def train(strategy, grad_fn, steps, depth=6, width=16, learning_rate=0.01):
             h = inputs
             for w in weights:
                 h = tf.tanh(tf.matmul(h, w))
-            grads = grad_fn(tf.reduce_sum(h * h), weights)
+            grads = grad_fn(tf.reduce_sum(h * h) / batch, weights)
             for w, g in zip(weights, grads):
                 w.assign_sub(learning_rate * g)
-        strategy.run(replica_step, args=(tf.ones([4, width]),))
+        strategy.run(replica_step, args=(tf.ones([batch, width]),))
 
     for _ in range(steps):
         coordinator.schedule(train_step)
