@@ -167,12 +167,17 @@ def seed_after_gate(seed, level_gate):
     began as soon as the seed existed, beside the level above (MobileNetV2 at
     batch 144: a batch norm's mean and variance, each in a level of its own,
     tiled their gradients while the level above held its largest buffers).
-    A control edge through an Identity, which takes no buffer of its own.
+    A data dependency (`wait_for_gate`), not a control edge through an
+    Identity: Grappler bypasses the Identity, and with oneDNN (on by default
+    on CPUs with AVX-512 VNNI) the layout pass then merged a stock
+    Conv2DBackpropFilter reading the seed with the BiasAddGrad the gate
+    waits for, which also reads it: one op waiting for itself, "nodes in a
+    cycle". The sum takes no buffer of its own once the gate has passed: the
+    seed's other readers have run and its buffer is reused.
     """
     if level_gate is None or not isinstance(seed, tf.Tensor):
         return seed
-    with tf.control_dependencies([level_gate]):
-        return tf.identity(seed)
+    return wait_for_gate(seed, level_gate)
 
 
 def wait_for_gradient(tensor: tf.Tensor, gradient) -> tf.Tensor:
