@@ -20,6 +20,8 @@ from benchmarks.live_set_diff import activation_peak
 from benchmarks.live_set_diff import allocator_events
 from benchmarks.live_set_diff import requested_peak
 from memory_saving_gradients.core import timeline
+from memory_saving_gradients.tfgraph import conv_gradients
+from memory_saving_gradients.tfgraph import workspace
 
 MIB = 2**20
 
@@ -69,11 +71,9 @@ def _approx(value, rel=0.15):
     return pytest.approx(value, rel=rel)
 
 
-def test_flipped_filter_of_our_convolution_gradient_is_priced():
-    """Our input gradient of a 3x3 convolution correlates with the filter flipped in
-    space and channel-swapped (`ReverseV2` then `Transpose`: two filters' bytes at
-    once). With 9 MiB filters on a tiny image that is most of the activation peak;
-    the timeline left it out (ResNet50's conv5 plans: 17-25 MiB under-predicted)."""
+def _wide_filter_step():
+    """Two 3x3 512 -> 512 convolutions (9 MiB filters) on a tiny image, the first
+    layer's output kept: the second is recomputed. (step, found plan, x)."""
     ws = [tf.Variable(tf.random.stateless_normal([3, 3, 512, 512], seed=[5, k], stddev=0.01))
           for k in range(2)]
     found = {}
@@ -85,12 +85,22 @@ def test_flipped_filter_of_our_convolution_gradient_is_priced():
             h = tf.nn.relu(tf.nn.conv2d(h, w, 1, "SAME") + 0.1 * (k + 1))
             kept.append(h)
         loss = tf.reduce_sum(h * h)
-        # Keeping the first layer's output recomputes the second with our gradient
-        # ('speed' and 'memory' leave this step to tf.gradients: nothing saves).
         found["plan"] = msg.checkpoint_plan(loss, ws, [kept[0]])
+        found["convolutions"] = [op for op in h.graph.get_operations() if op.type == "Conv2D"]
         return msg.gradients(loss, ws, checkpoints=[kept[0]])
 
-    x = tf.random.stateless_normal([2, 4, 4, 512], seed=[6, 7])
+    return step, found, tf.random.stateless_normal([2, 4, 4, 512], seed=[6, 7])
+
+
+def test_flipped_filter_of_our_convolution_gradient_is_priced(monkeypatch):
+    """Our input gradient of a 3x3 convolution correlates with the filter flipped in
+    space and channel-swapped (`ReverseV2` then `Transpose`: two filters' bytes at
+    once). With 9 MiB filters on a tiny image that is most of the activation peak;
+    the timeline left it out (ResNet50's conv5 plans: 17-25 MiB under-predicted).
+    Our gradient is forced here: on this shape the rewrite keeps the stock one
+    (the next test)."""
+    monkeypatch.setattr(workspace, "scratch_free_saves", conv_gradients.is_eligible)
+    step, found, x = _wide_filter_step()
     step(x, None), step(x, None)
     plan = found["plan"]
     measured = activation_peak(allocator_events(step, x, None))
@@ -100,3 +110,15 @@ def test_flipped_filter_of_our_convolution_gradient_is_priced():
     # predicted (the timeline sums a gradient's scratch buffers).
     assert measured >= 18 * MIB, measured
     assert 18 * MIB <= predicted <= 1.4 * measured, (predicted / MIB, measured / MIB)
+
+
+def test_the_stock_gradient_is_kept_where_ours_takes_more():
+    """On a tiny image the stock kernels' scratch is below our flipped filter's
+    18 MiB: the rewrite keeps the stock gradient, and the step holds less than
+    one flipped filter."""
+    step, found, x = _wide_filter_step()
+    step(x, None)
+    assert found["convolutions"] and not any(
+        workspace.scratch_free_saves(op) for op in found["convolutions"])
+    measured = activation_peak(allocator_events(step, x, None))
+    assert measured < 9 * MIB, measured / MIB

@@ -73,8 +73,10 @@ def test_scratch_gradient_ops_run_in_one_order(mode):
     scratch = [op for op in graph.get_operations() if op.type in SCRATCH_GRADIENT_OP_TYPES]
     chained = [op for op in scratch if op in needed]
     # 2 explicitly padded convolutions and a depthwise one (two gradient ops each) and a
-    # max pool, less the first convolution's input gradient.
-    assert len(chained) == 6, [op.name for op in chained]
+    # max pool, less the first convolution's input gradient; and both gradient ops of
+    # each SAME one whose stock kernels measure less scratch than ours would take
+    # (`workspace.scratch_free_saves`: on these 4x4 images, by the host's kernels).
+    assert len(chained) >= 6, [op.name for op in chained]
     # One chain: ordered by how many of the others each waits for, each waits for the one before.
     order = sorted(chained, key=lambda op: sum(waits_for(op, other) for other in chained))
     for first, later in zip(order, order[1:]):

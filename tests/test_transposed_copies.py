@@ -56,8 +56,8 @@ def _unet(ctx, images, dtype):
 
 
 # Gradients up to ~11, sums of ~100 products (stock is as far from the exact ones). float32:
-# one entry of 0.04 differed by 4.8e-6 on TF 2.16 (in a build where some convolutions kept
-# the stock kernel and others took ours).
+# where one convolution keeps the stock kernel and the next gets ours (the choice follows the
+# host's kernels, workspace.scratch_free_saves), one entry of 0.04 differed by 4.8e-6 (TF 2.16).
 _FLOAT32, _FLOAT16 = (np.float32, 2e-5, 1e-5), (np.float16, 2e-2, 5e-2)
 
 

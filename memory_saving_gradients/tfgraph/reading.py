@@ -282,7 +282,7 @@ def _record_backprop(op, op_inputs, activations, regions, backprop):
             op.inputs[i].name for i in reads.ungraded if i < len(op.inputs))
     backprop["grad_reads"][name] = tuple(n for n in read if n in activations)
     measured = workspace.gradient_workspace_bytes(op)
-    if conv_gradients.is_eligible(op):  # the rewrite differentiates it its own way
+    if workspace.scratch_free_saves(op):  # the rewrite differentiates it its own way
         backprop["stock_workspace"][name] = scratch + measured
         measured = conv_gradients.workspace_bytes(op, inputs_differentiated[0])
         # Its filter gradient is a chain of per-tap products that the executor

@@ -40,6 +40,7 @@ from memory_saving_gradients.tfgraph import grouped_conv_calls
 from memory_saving_gradients.tfgraph import loop_chunks
 from memory_saving_gradients.tfgraph import pool_gradients
 from memory_saving_gradients.tfgraph import side_inputs
+from memory_saving_gradients.tfgraph import workspace
 from memory_saving_gradients.tfgraph.ledger import GradientLedger
 from memory_saving_gradients.tfgraph.reading import Reading
 
@@ -57,13 +58,14 @@ def backprop(reading: Reading, plan: Plan, ys, xs, grad_ys, stop_gradients, tf_k
     # Loops differentiated where they are (not copied) are rerun in chunks too,
     # but those the plan leaves to the stock gradient (`LoopModes.stacked`);
     # unit-stride convolutions, originals and copies, get gradients without
-    # the CPU kernels' scratch, and XLA-compiled depthwise ones without XLA's;
+    # the CPU kernels' scratch where that takes less, and XLA-compiled depthwise ones without XLA's;
     # XLA-compiled max pools without XLA's index buffers (pool_gradients.py).
     # Our many tf.gradients calls look captures up by index (capture_lookup.py).
     chunked = {op for op in loop_chunks.rerunnable_in(graph, reading.region)
                if op.name not in plan.loops.stacked}
     with loop_chunks.chunked_gradients(chunked), \
-            conv_gradients.scratch_free_gradients(region_ops), \
+            conv_gradients.scratch_free_gradients(
+                [op for op in region_ops if workspace.scratch_free_saves(op)]), \
             grouped_conv_calls.native_gradients(region_ops), \
             pool_gradients.first_max_gradients(region_ops), capture_lookup.indexed():
         run.to_checkpoints(ys, grad_ys)

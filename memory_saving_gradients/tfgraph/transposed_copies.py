@@ -35,7 +35,7 @@ def recomputes_scratch_free(op: tf.Operation) -> bool:
     if op.type != "Conv2DBackpropInput":
         return False  # reading asks every op: no NodeDef parsed for the others
     override = op.node_def.attr.get("_gradient_op_type")
-    if not (conv_gradients.is_eligible(op) or (
+    if not (workspace.scratch_free_saves(op) or (
             override is not None
             and override.s.decode() == conv_gradients.SCRATCH_FREE_GRADIENT)):
         return False

@@ -73,6 +73,37 @@ def gradient_workspace_bytes(op: tf.Operation) -> int:
     return _workspace(op, _GRADIENT_OPS)
 
 
+def scratch_free_saves(op: tf.Operation) -> bool:
+    """True where our scratch-free gradient of a convolution
+    (`conv_gradients`) takes less than the stock kernels' measured scratch.
+
+    Which kernels run depends on the host: TensorFlow's own CPU kernels take
+    an im2col working set (up to 32 MiB), while with oneDNN (on by default on
+    CPUs with AVX-512 VNNI or AMX) they take none from TensorFlow's allocator,
+    and ours would only add its tap slices and flipped filter (18 MiB on
+    ResNet50's 3x3 512 -> 512 convolutions). Measured per shape, once; with
+    an unknown batch size nothing can be measured, and the host's kernels
+    decide (`_stock_kernels_take_scratch`)."""
+    if not conv_gradients.is_eligible(op):
+        return False
+    if not all(t.shape.is_fully_defined() for t in list(op.inputs) + list(op.outputs)):
+        return _stock_kernels_take_scratch()
+    return conv_gradients.workspace_bytes(op) < gradient_workspace_bytes(op)
+
+
+@functools.lru_cache(maxsize=None)
+def _stock_kernels_take_scratch() -> bool:
+    """Whether this host's stock convolution gradients take scratch at all:
+    a 3x3 convolution of 48 channels on 8 16x16 images, whose CPU kernels
+    take about 32 MiB beside tensors of 0.4 MiB, and oneDNN's none."""
+    graph = tf.Graph()
+    with graph.as_default(), tf.device(_DEVICE):
+        image = tf.compat.v1.placeholder(tf.float32, [8, 16, 16, 48])
+        w = tf.compat.v1.placeholder(tf.float32, [3, 3, 48, 48])
+        probe = tf.nn.conv2d(image, w, 1, "SAME").op
+    return gradient_workspace_bytes(probe) > 2**20
+
+
 def run_workspace_bytes(op: tf.Operation) -> int:
     """Bytes `op` itself allocates besides its outputs when it runs (0 if not measured)."""
     return _workspace(op, _RUN_OPS)
