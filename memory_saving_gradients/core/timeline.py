@@ -90,7 +90,7 @@ def predict(model: GraphModel, plan: Optional[Plan] = None) -> Estimate:
     about (n + 2) * b: the outputs plus two gradients in flight.
     """
     baseline = _baseline_peak(model)
-    if plan is None or plan.stock:
+    if _is_stock(plan):
         peak, recompute, largest, kept = baseline, 0, 0, 0
     else:
         replay = _Replay(model, stacked=plan.loops.stacked)
@@ -113,7 +113,7 @@ def with_allocator_peaks(model: GraphModel, plan: Optional[Plan],
     """
     stock = op_table.per_model(model, "allocator_baseline",
                                lambda m: _allocator_peak(_Replay(m, stock=True), ()))
-    planned = stock if plan is None or plan.stock else _allocator_peak(
+    planned = stock if _is_stock(plan) else _allocator_peak(
         _Replay(model, stacked=plan.loops.stacked), plan.levels)
     return dataclasses.replace(estimate, allocator_peak_bytes=planned,
                                allocator_baseline_bytes=stock)
@@ -135,6 +135,11 @@ def stock_peak_range(model: GraphModel, threads: int = 1) -> tuple:
                      stock_parts=stock_order.parts(model, threads, data_last)).run(())
              for data_last in (False, True)]
     return min(peaks), max(peaks)
+
+
+def _is_stock(plan: Optional[Plan]) -> bool:
+    """True when `plan` runs tf.gradients itself (None, or a stock plan)."""
+    return plan is None or plan.stock
 
 
 def _allocator_peak(replay, levels):
@@ -168,7 +173,7 @@ def step_peaks(model: GraphModel, plan: Optional[Plan] = None) -> tuple:
     gradients exist (ResNet50 at 64 px: 90 MiB of weight gradients, most of
     them made early in backprop; docs/planner.md).
     """
-    stock = plan is None or plan.stock
+    stock = _is_stock(plan)
     replay = _Replay(model, stock=stock, stacked=frozenset() if stock else plan.loops.stacked)
     replay.run(() if stock else plan.levels)
     return replay._peak(), int(replay._live(frozenset(replay.weight_keys)).max())

@@ -55,9 +55,9 @@ def order_leaves(new_ops: list, seeds: list, recomputed: set, to_weights: list,
     waiting = []
     for op in new_ops:
         if op in on_chain:
-            now = [leaf for leaf in waiting if not _alive_anyway(leaf, op, later_chain)]
-            added += _wait_for(op, now)
-            waiting = [leaf for leaf in waiting if leaf not in now]
+            alive = [_alive_anyway(leaf, op, later_chain) for leaf in waiting]
+            added += _wait_for(op, [leaf for leaf, kept in zip(waiting, alive) if not kept])
+            waiting = [leaf for leaf, kept in zip(waiting, alive) if kept]
         elif op in needed and op not in on_chain:
             waiting.append(op)
     return added
