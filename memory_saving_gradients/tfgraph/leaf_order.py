@@ -10,7 +10,14 @@ stay alive together: on the 256-block MLP 14 blocks' weight gradients were
 still to run at the one-thread peak, holding 21 MiB (docs/planner.md).
 
 Here each leaf becomes a control input of the next chain op made after it
-(tf.gradients makes them in backprop's order), whatever the thread count.
+(tf.gradients makes them in backprop's order), whatever the thread count,
+and of every later chain op that does not already run after that one: where
+the chain branches, each branch waits. A concat's gradient is one slice per
+input; only the first slice waited, and with one inter-op thread the U-Net's
+second slice (the skip connection's gradient, 2 MiB, held until the encoder's
+level) ran before the weight gradient of the convolution that reads the
+concat, beside its per-tap slices and the recomputed concat: 22.1 MiB
+requested at the 50% budget's peak against 20.2 predicted (docs/planner.md).
 Waiting only at the chain's next read of a recomputed tensor was not enough
 with default threading: the chain ops in between (a padded convolution's
 input gradient, then the slice that unpads it) ran beside the leaf, each
@@ -52,14 +59,26 @@ def order_leaves(new_ops: list, seeds: list, recomputed: set, to_weights: list,
     chain = [op for op in new_ops if op in on_chain]
     later_chain = {op: i for i, op in enumerate(chain)}
     added = 0
-    waiting = []
+    leaves = []  # the leaves made so far, in creation order
+    deferred = []  # leaves a chain op did not wait for (`_alive_anyway`)
+    # op -> how many of `leaves` (a prefix, in creation order) it runs after
+    # through its inputs, or a chain op before it let go (`deferred`): the
+    # most over its inputs, one pass in creation order. A chain op waits for
+    # the leaves past that prefix, so a branch beside the chain op that
+    # waited first waits too.
+    covered = {}
     for op in new_ops:
+        done = max((covered.get(t.op, 0) for t in op.inputs), default=0)
+        done = max([done] + [covered.get(c, 0) for c in op.control_inputs])
         if op in on_chain:
-            alive = [_alive_anyway(leaf, op, later_chain) for leaf in waiting]
-            added += _wait_for(op, [leaf for leaf, kept in zip(waiting, alive) if not kept])
-            waiting = [leaf for leaf, kept in zip(waiting, alive) if kept]
-        elif op in needed and op not in on_chain:
-            waiting.append(op)
+            candidates = list(dict.fromkeys(leaves[done:] + deferred))
+            alive = [_alive_anyway(leaf, op, later_chain) for leaf in candidates]
+            added += _wait_for(op, [leaf for leaf, kept in zip(candidates, alive) if not kept])
+            deferred = [leaf for leaf, kept in zip(candidates, alive) if kept]
+            done = len(leaves)
+        elif op in needed:
+            leaves.append(op)
+        covered[op] = done
     return added
 
 
