@@ -167,17 +167,21 @@ def seed_after_gate(seed, level_gate):
     began as soon as the seed existed, beside the level above (MobileNetV2 at
     batch 144: a batch norm's mean and variance, each in a level of its own,
     tiled their gradients while the level above held its largest buffers).
-    A data dependency (`wait_for_gate`), not a control edge through an
-    Identity: Grappler bypasses the Identity, and with oneDNN (on by default
-    on CPUs with AVX-512 VNNI) the layout pass then merged a stock
-    Conv2DBackpropFilter reading the seed with the BiasAddGrad the gate
-    waits for, which also reads it: one op waiting for itself, "nodes in a
-    cycle". The sum takes no buffer of its own once the gate has passed: the
-    seed's other readers have run and its buffer is reused.
+    The seed each level's gradient ops read must be a node of its own:
+    with oneDNN (on by default on CPUs with AVX-512 VNNI) the layout pass
+    merges a Conv2DBackpropFilter with a BiasAddGrad reading the same node,
+    without checking for a path between them, and the level above's bias
+    gradient reads this seed too and is one the gate waits for: one op
+    waiting for itself, "nodes in a cycle". An Identity with a control input
+    (this function's first form) is bypassed by Grappler's dependency
+    optimizer, and TF 2.16's constant folding reduces `seed + 0 * gate`
+    (`wait_for_gate`, the data dependency XLA needs) to the seed as well; a
+    Snapshot stays. It takes no buffer of its own once the gate has passed:
+    the seed's other readers have run, and its buffer is forwarded.
     """
     if level_gate is None or not isinstance(seed, tf.Tensor):
         return seed
-    return wait_for_gate(seed, level_gate)
+    return tf.raw_ops.Snapshot(input=wait_for_gate(seed, level_gate))
 
 
 def wait_for_gradient(tensor: tf.Tensor, gradient) -> tf.Tensor:

@@ -81,13 +81,15 @@ def scratch_free_saves(op: tf.Operation) -> bool:
     an im2col working set (up to 32 MiB), while with oneDNN (on by default on
     CPUs with AVX-512 VNNI or AMX) they take none from TensorFlow's allocator,
     and ours would only add its tap slices and flipped filter (18 MiB on
-    ResNet50's 3x3 512 -> 512 convolutions). Measured per shape, once; with
-    an unknown batch size nothing can be measured, and the host's kernels
-    decide (`_stock_kernels_take_scratch`)."""
-    if not conv_gradients.is_eligible(op):
+    ResNet50's 3x3 512 -> 512 convolutions). So the host decides first
+    (`_stock_kernels_take_scratch`, one probe): with oneDNN, never ours (the
+    per-shape probes there read a few bytes or, on TF 2.16, sometimes more
+    than ours, from one process to the next). With TensorFlow's kernels, each
+    shape is measured once; with an unknown batch size, ours."""
+    if not conv_gradients.is_eligible(op) or not _stock_kernels_take_scratch():
         return False
     if not all(t.shape.is_fully_defined() for t in list(op.inputs) + list(op.outputs)):
-        return _stock_kernels_take_scratch()
+        return True
     return conv_gradients.workspace_bytes(op) < gradient_workspace_bytes(op)
 
 
