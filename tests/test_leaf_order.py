@@ -52,6 +52,19 @@ def _residual_mlp(ctx, x, blocks=BLOCKS):
     return Model(ys=[loss], xs=[x] + list(ctx.variables.values()), lists={"six": kept})
 
 
+def _rewritten_graph(build, kept):
+    """The graph of a traced step of `msg.gradients` on `build(ctx, x)`, keeping
+    `kept(model.lists)`."""
+    ctx = Context()
+
+    @tf.function(autograph=False)
+    def step(x):
+        model = build(ctx, x)
+        return msg.gradients(model.ys, model.xs, checkpoints=kept(model.lists))
+
+    return step.get_concrete_function(tf.TensorSpec((8, 16))).graph
+
+
 def _recomputed_gradient_ops(graph, block, types):
     return [op for op in graph.get_operations()
             if op.type in types and "recompute_" in op.name and "backprop" in op.name
@@ -59,16 +72,7 @@ def _recomputed_gradient_ops(graph, block, types):
 
 
 def test_each_blocks_leaf_gradients_run_before_the_next_blocks_relu_gradient():
-    ctx = Context()
-    found = {}
-
-    @tf.function(autograph=False)
-    def step(x):
-        model = _residual_mlp(ctx, x)
-        found["grads"] = msg.gradients(model.ys, model.xs, checkpoints=model.lists["six"])
-        return found["grads"]
-
-    graph = step.get_concrete_function(tf.TensorSpec((8, 16))).graph
+    graph = _rewritten_graph(_residual_mlp, lambda lists: lists["six"])
     for block in range(1, BLOCKS):
         # The weight gradients (MatMul) and bias gradients (BiasAddGrad).
         # The weight gradients (MatMul(h, dy, transpose_a)) and bias gradients.
@@ -87,14 +91,7 @@ def test_a_leaf_holds_up_the_chain_only_where_it_frees_a_tensor_first():
     # such waits left a quarter of the 256-block MLP's backward matmuls running
     # alone). The first matmul's weight gradient is the last reader of the
     # block's input and of the ReLU gradient: a chain op waits for it directly.
-    ctx = Context()
-
-    @tf.function(autograph=False)
-    def step(x):
-        model = _residual_mlp(ctx, x)
-        return msg.gradients(model.ys, model.xs, checkpoints=model.lists["six"])
-
-    graph = step.get_concrete_function(tf.TensorSpec((8, 16))).graph
+    graph = _rewritten_graph(_residual_mlp, lambda lists: lists["six"])
     ops = graph.get_operations()
     for block in range(BLOCKS - 1):
         bias_grads = [op for op in _recomputed_gradient_ops(graph, block, ("BiasAddGrad",))
@@ -134,14 +131,7 @@ def test_the_first_calls_leaf_gradients_run_before_the_next_blocks_relu_gradient
     # Below the last checkpoint (block 5) blocks 6-11 are differentiated from the forward
     # pass's own tensors. With one inter-op thread that chain ran to the checkpoint before
     # any weight gradient: a 16-block MLP's 50% budget measured 9.8 MiB for 7.2 predicted.
-    ctx = Context()
-
-    @tf.function(autograph=False)
-    def step(x):
-        model = _residual_mlp(ctx, x)
-        return msg.gradients(model.ys, model.xs, checkpoints=model.lists["six"][:1])
-
-    graph = step.get_concrete_function(tf.TensorSpec((8, 16))).graph
+    graph = _rewritten_graph(_residual_mlp, lambda lists: lists["six"][:1])
 
     def first_call_ops(block, types):
         return [op for op in graph.get_operations() if op.type in types
@@ -178,14 +168,7 @@ def test_every_branch_of_a_concats_gradient_waits_for_the_leaves_before_it():
     # recomputed concat, with one inter-op thread even before it. On the U-Net's 50%
     # budget (s23) that slice's 2 MiB output was alive beside that weight gradient's
     # per-tap slices: 22.1 MiB requested at the peak against 20.2 predicted.
-    ctx = Context()
-
-    @tf.function(autograph=False)
-    def step(x):
-        model = _skip_concat(ctx, x)
-        return msg.gradients(model.ys, model.xs, checkpoints=model.lists["skip"])
-
-    graph = step.get_concrete_function(tf.TensorSpec((8, 16))).graph
+    graph = _rewritten_graph(_skip_concat, lambda lists: lists["skip"])
     level_ops = [op for op in graph.get_operations()
                  if "recompute_" in op.name and "backprop" in op.name]
     (weight_grad,) = [op for op in level_ops if op.type == "MatMul"
