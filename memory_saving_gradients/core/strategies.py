@@ -42,6 +42,7 @@ EXPENSIVE_OP_TYPES = frozenset({
 MAX_CUTS = 128  # candidate cuts on large graphs (all op boundaries below that)
 CANDIDATE_PLANS = 6  # of the cut model, priced by the timeline
 MAX_PRICED = 32  # plans whose prices are remembered per model (a strategy prices about 10)
+MAX_STAIRS = 64  # plans per loop setting `staircase` walks down
 FIT_RETRIES = 4  # re-solves with a tighter cut-model budget when the prediction overshoots
 # 'memory' and 'speed' leave the gradient to tf.gradients when no plan is
 # predicted below its peak. False: always rewrite (to see the rewrite at work
@@ -165,6 +166,24 @@ def fitting_plan(model: GraphModel, problem, max_bytes, name, peak=None) -> Opti
              for modes in loop_plans.settings(model)]
     return min((r for r in found if r is not None), key=lambda r: r.recompute_flops,
                default=None)
+
+
+def staircase(model: GraphModel, problem, top, name) -> list:
+    """Every plan `fitting_plan`'s search can start from at a budget of at most
+    `top`: under each loop setting, the least-recompute plan under `top`, then
+    under one byte less than that plan's cut-model peak, and so on down to the
+    cut model's least peak (at most `MAX_STAIRS` plans a setting), priced."""
+    found = []
+    for modes in loop_plans.settings(model):
+        adjusted, target = loop_plans.adjusted(problem, model, modes), top
+        for _ in range(MAX_STAIRS):
+            step = solvers.least_recompute(adjusted, target)
+            if step is None:
+                break
+            found.append(result_of(model, tensors_of(model, step.cost.kept_ops), name,
+                                   loops=modes))
+            target = step.cost.peak_bytes - 1
+    return found
 
 
 def _fitting(model, problem, max_bytes, name, loops, peak=None) -> Optional[Result]:
