@@ -175,13 +175,20 @@ def seed_after_gate(seed, level_gate):
     waiting for itself, "nodes in a cycle". An Identity with a control input
     (this function's first form) is bypassed by Grappler's dependency
     optimizer, and TF 2.16's constant folding reduces `seed + 0 * gate`
-    (`wait_for_gate`, the data dependency XLA needs) to the seed as well; a
-    Snapshot stays. It takes no buffer of its own once the gate has passed:
-    the seed's other readers have run, and its buffer is forwarded.
+    (`wait_for_gate`) to the seed as well: its zero is a constant. Here the
+    zero is the gate and its negation, both true never, which no optimizer
+    folds (a Snapshot would stay too, but has no gradient, and second-order
+    gradients differentiate this sum). It takes no buffer of its own once the
+    gate has passed: the seed's other readers have run, and its buffer is
+    forwarded.
     """
     if level_gate is None or not isinstance(seed, tf.Tensor):
         return seed
-    return tf.raw_ops.Snapshot(input=wait_for_gate(seed, level_gate))
+    if seed.dtype.base_dtype not in _ARITHMETIC:
+        return wait_for_gate(seed, level_gate)
+    with tf.name_scope("wait_for_gradient"):
+        never = tf.logical_and(level_gate, tf.logical_not(level_gate))
+        return seed + tf.cast(never, seed.dtype)
 
 
 def wait_for_gradient(tensor: tf.Tensor, gradient) -> tf.Tensor:
