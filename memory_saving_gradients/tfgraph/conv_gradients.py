@@ -50,10 +50,7 @@ def is_eligible(op: tf.Operation) -> bool:
     """True for a CPU `Conv2D` or transposed convolution (`Conv2DBackpropInput`)
     in NHWC, SAME or VALID, any strides, unit dilations, static filter and
     spatial shapes, not grouped, without a gradient override of its own."""
-    if op.type not in _KINDS or "_gradient_op_type" in op.node_def.attr:
-        return False
-    if ("GPU" in op.device.upper() or tf.config.list_logical_devices("GPU")
-            or compat.in_xla_context(op.graph)):
+    if op.type not in _KINDS or not op_kinds.gradient_overridable_on_cpu(op):
         return False
     image, w, out = roles(op)
     if not (w.shape.is_fully_defined() and image.shape[1:].is_fully_defined()

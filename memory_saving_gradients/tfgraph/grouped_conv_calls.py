@@ -36,6 +36,7 @@ import tensorflow as tf
 from memory_saving_gradients.tfgraph import compat
 from memory_saving_gradients.tfgraph import graph_cache
 from memory_saving_gradients.tfgraph import loops
+from memory_saving_gradients.tfgraph import op_kinds
 from memory_saving_gradients.tfgraph import purity
 from memory_saving_gradients.tfgraph import writers
 
@@ -56,9 +57,8 @@ def native_gradients(ops: Iterable[tf.Operation]) -> Iterator[None]:
 def is_eligible(op: tf.Operation) -> bool:
     """True for an XLA-compiled call of one depthwise-form grouped convolution
     (see the module docstring) whose gradient may be taken natively."""
-    if (_depthwise_filter_shape(op) is None or "_gradient_op_type" in op.node_def.attr
-            or tf.config.list_logical_devices("GPU") or "GPU" in op.device.upper()
-            or compat.in_xla_context(op.graph)):  # XLA compiles the native kernels densely too
+    # Under XLA the native kernels compile densely too.
+    if _depthwise_filter_shape(op) is None or not op_kinds.gradient_overridable_on_cpu(op):
         return False
     strides = _attr(_convolution(op)["node"], "strides").list.i
     if strides[1] != strides[2]:  # the native depthwise kernels refuse unequal ones

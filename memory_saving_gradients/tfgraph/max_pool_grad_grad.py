@@ -34,6 +34,7 @@ from typing import Iterable, Iterator
 import tensorflow as tf
 
 from memory_saving_gradients.tfgraph import compat
+from memory_saving_gradients.tfgraph import op_kinds
 
 ARGMAX_GRADIENT = "MemorySavingGradientsArgmaxMaxPoolGradGrad"
 _KINDS = frozenset({"MaxPoolGrad", "MaxPoolGradV2"})
@@ -44,10 +45,7 @@ def is_affected(op: tf.Operation) -> bool:
     kernel may zero its result: NHWC, SAME or VALID, a window over height and
     width only (static for V2), and a pool whose output may have its input's
     shape (equal, or not known statically); without a gradient override of its own."""
-    if op.type not in _KINDS or "_gradient_op_type" in op.node_def.attr:
-        return False
-    if ("GPU" in op.device.upper() or tf.config.list_logical_devices("GPU")
-            or compat.in_xla_context(op.graph)):
+    if op.type not in _KINDS or not op_kinds.gradient_overridable_on_cpu(op):
         return False
     if op.get_attr("data_format") != b"NHWC" or op.get_attr("padding") not in (b"SAME", b"VALID"):
         return False

@@ -94,6 +94,15 @@ def outermost_while_loop(op: tf.Operation):
     return loop
 
 
+def gradient_overridable_on_cpu(op: tf.Operation) -> bool:
+    """True when `op` has no gradient override of its own and its gradient
+    runs on TensorFlow's CPU kernels: no GPU in its device or on the host, and
+    outside XLA (the kernel facts our overrides work around are CPU ones)."""
+    return not ("_gradient_op_type" in op.node_def.attr
+                or "GPU" in op.device.upper() or tf.config.list_logical_devices("GPU")
+                or compat.in_xla_context(op.graph))
+
+
 def tensor_bytes(t: tf.Tensor) -> int:
     """Bytes of `t` from its static shape; unknown dims count as 1."""
     return tensor_elements(t) * _item_bytes(t.dtype)
