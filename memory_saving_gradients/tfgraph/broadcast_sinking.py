@@ -37,8 +37,6 @@ from memory_saving_gradients.tfgraph import compat
 from memory_saving_gradients.tfgraph import op_kinds
 from memory_saving_gradients.tfgraph.gradient_waits import gradient_tensors
 
-# A broadcast counts when it has at least _SHRINK times its source's elements.
-_SHRINK = 8
 # Element-wise ops with broadcasting, inputs (x, y); op(broadcast(u), v) has
 # the elements of broadcast(op(u, v)).
 _BINARY = frozenset({"Mul", "RealDiv", "AddV2", "Sub", "DivNoNan", "MulNoNan",
@@ -57,14 +55,13 @@ def sink(new_ops: list, gradients: list) -> tuple:
     unread and with the replacements, each where the op it replaces was:
     the ordering passes after it take creation order for an order of runs).
     """
-    made = set(new_ops)
-    run = _Sinking(made, {t.ref() for g in gradients if g is not None
-                          for t in gradient_tensors(g)})
+    run = _Sinking(set(new_ops), {t.ref() for g in gradients if g is not None
+                                  for t in gradient_tensors(g)})
     for op in new_ops:
         if op in run.unread:
             continue
         small = _broadcast_source(op)
-        if small is not None and _sinkable(op.outputs[0], small.shape, made, run.returned):
+        if small is not None and _sinkable(op.outputs[0], small.shape, run):
             run.apply(op.outputs[0], small)
     swapped = [run.latest(g) if isinstance(g, tf.Tensor) else g for g in gradients]
     return swapped, [placed for op in new_ops for placed in run.in_place_of(op)]
@@ -74,7 +71,7 @@ def keeps_small(op: tf.Operation, on_path: Callable[[tf.Operation], bool]) -> bo
     """True when the rewrite's gradient of `op` to its input stays `op`'s
     output's size (the planner's view of `sink`, before any gradient exists).
 
-    A Mean or Sum with static shapes, `_SHRINK` times smaller than its input,
+    A Mean or Sum with static shapes, at least 8 times smaller than its input,
     whose gradient (a Tile) is read by what `sink` handles: the sum of the
     input's gradients (an input other ops on the way to the ys read too:
     `on_path`), or the gradient of the element-wise op that made the input (a
@@ -86,7 +83,7 @@ def keeps_small(op: tf.Operation, on_path: Callable[[tf.Operation], bool]) -> bo
     if (not source.shape.is_fully_defined() or not op.outputs[0].shape.is_fully_defined()
             or tf.get_static_value(op.inputs[1]) is None):
         return False
-    if op_kinds.tensor_elements(source) < _SHRINK * op_kinds.tensor_elements(op.outputs[0]):
+    if not op_kinds.much_larger(source, op.outputs[0]):
         return False
     if sum(map(on_path, source.consumers())) > 1:
         return True  # its gradient is a term of an AddN
@@ -113,27 +110,28 @@ def _broadcast_source(op: tf.Operation):
         if multiples is None or any(m != 1 and d != 1 for m, d in
                                     zip(multiples.tolist(), small.shape.as_list())):
             return None  # repeats a dimension larger than one: not a broadcast
-    if op_kinds.tensor_elements(full) < _SHRINK * op_kinds.tensor_elements(small):
+    if not op_kinds.much_larger(full, small):
         return None
     return small
 
 
-def _sinkable(full: tf.Tensor, small_shape: tf.TensorShape, made: set, returned: set) -> bool:
+def _sinkable(full: tf.Tensor, small_shape: tf.TensorShape, run: "_Sinking") -> bool:
     """True when every reader of `full` (the broadcast of a tensor of
     `small_shape`), and on down the chain of ops that stay small, can take it
-    small: readers made by the same call, of the kinds above, with static
-    shapes, the result shape unchanged where it becomes full-size."""
-    if full.ref() in returned:
+    small: readers made by the same call (`run.made`), of the kinds above,
+    with static shapes, the result shape unchanged where it becomes full-size;
+    none returned."""
+    if full.ref() in run.returned:
         return False
     for reader in full.consumers():
-        if reader not in made:
+        if reader not in run.made:
             return False
         if reader.type == "AddN":
             if sum(t is full for t in reader.inputs) != 1:
                 return False  # no full-size term to add it to, or it twice
             continue
         if reader.type in _UNARY:
-            if not _sinkable(reader.outputs[0], small_shape, made, returned):
+            if not _sinkable(reader.outputs[0], small_shape, run):
                 return False
             continue
         if reader.type not in _BINARY:
@@ -145,7 +143,7 @@ def _sinkable(full: tf.Tensor, small_shape: tf.TensorShape, made: set, returned:
         if shape.as_list() == result.as_list():
             continue  # the other operand has the full shape: broadcasts itself
         if (_broadcast(shape, result) != result.as_list()
-                or not _sinkable(reader.outputs[0], shape, made, returned)):
+                or not _sinkable(reader.outputs[0], shape, run)):
             return False
     return True
 

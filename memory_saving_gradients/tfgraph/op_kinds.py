@@ -103,6 +103,12 @@ def gradient_overridable_on_cpu(op: tf.Operation) -> bool:
                 or compat.in_xla_context(op.graph))
 
 
+def much_larger(big: tf.Tensor, small: tf.Tensor) -> bool:
+    """Whether `big` has at least 8 times `small`'s elements (static shapes):
+    where a sum, mean or broadcast between them is worth reordering for."""
+    return tensor_elements(big) >= 8 * tensor_elements(small)
+
+
 def tensor_bytes(t: tf.Tensor) -> int:
     """Bytes of `t` from its static shape; unknown dims count as 1."""
     return tensor_elements(t) * _item_bytes(t.dtype)

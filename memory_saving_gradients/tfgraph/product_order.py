@@ -29,7 +29,6 @@ from memory_saving_gradients.tfgraph.gradient_waits import depends_on
 from memory_saving_gradients.tfgraph.gradient_waits import gradient_tensors
 
 _REDUCTIONS = frozenset({"Sum", "Mean"})
-_SHRINK = 8  # a sum counts when its output has at most 1/_SHRINK of its input's elements
 
 
 def sums_first(new_ops: list, gradients: list) -> int:
@@ -71,8 +70,7 @@ def _shrunk_product(reduction: tf.Operation, among: set):
         return None
     if len(temporary.consumers()) != 1:
         return None
-    big, small = (op_kinds.tensor_elements(t) for t in (temporary, reduction.outputs[0]))
-    return product if big >= _SHRINK * small else None
+    return product if op_kinds.much_larger(temporary, reduction.outputs[0]) else None
 
 
 def _siblings(product: tf.Operation, among: set) -> list:
