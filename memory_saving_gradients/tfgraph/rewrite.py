@@ -45,15 +45,16 @@ from memory_saving_gradients.tfgraph import side_inputs
 from memory_saving_gradients.tfgraph import workspace
 from memory_saving_gradients.tfgraph.ledger import GradientLedger
 from memory_saving_gradients.tfgraph.reading import Reading
+from memory_saving_gradients.tfgraph.reading import region_ops
 
 
 def backprop(reading: Reading, plan: Plan, ys, xs, grad_ys, stop_gradients, tf_kwargs,
              unconnected) -> list:
     """Gradients of `ys` with respect to `xs` under `plan`. Returns a list."""
-    graph = ys[0].graph
     # Second orders through max pools without the CPU MaxPoolGradGrad kernel,
-    # which can return zeros (max_pool_grad_grad.py): in every call, stock included.
-    with max_pool_grad_grad.argmax_gradients(graph.get_operations()):
+    # which can return zeros (max_pool_grad_grad.py): in every call, stock
+    # included, among the ops between xs and ys (the ones tf.gradients differentiates).
+    with max_pool_grad_grad.argmax_gradients(region_ops(ys, xs)):
         return _backprop(reading, plan, ys, xs, grad_ys, stop_gradients, tf_kwargs, unconnected)
 
 
@@ -64,7 +65,7 @@ def _backprop(reading, plan, ys, xs, grad_ys, stop_gradients, tf_kwargs, unconne
                                            unconnected_gradients=unconnected, **tf_kwargs))
     graph = ys[0].graph
     run = _Backprop(reading, plan, xs, stop_gradients, tf_kwargs, graph)
-    region_ops = {graph.get_tensor_by_name(n).op for n in reading.region}
+    in_region = {graph.get_tensor_by_name(n).op for n in reading.region}
     # Loops differentiated where they are (not copied) are rerun in chunks too,
     # but those the plan leaves to the stock gradient (`LoopModes.stacked`);
     # unit-stride convolutions, originals and copies, get gradients without
@@ -75,9 +76,9 @@ def _backprop(reading, plan, ys, xs, grad_ys, stop_gradients, tf_kwargs, unconne
                if op.name not in plan.loops.stacked}
     with loop_chunks.chunked_gradients(chunked), \
             conv_gradients.scratch_free_gradients(
-                [op for op in region_ops if workspace.scratch_free_saves(op)]), \
-            grouped_conv_calls.native_gradients(region_ops), \
-            pool_gradients.first_max_gradients(region_ops), capture_lookup.indexed():
+                [op for op in in_region if workspace.scratch_free_saves(op)]), \
+            grouped_conv_calls.native_gradients(in_region), \
+            pool_gradients.first_max_gradients(in_region), capture_lookup.indexed():
         run.to_checkpoints(ys, grad_ys)
         for number, level in reversed(list(enumerate(plan.levels))):
             run.through_level(number, level)
