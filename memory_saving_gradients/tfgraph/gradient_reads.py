@@ -76,7 +76,7 @@ def _key(op):
                          # one naming a tf.custom_gradient's own gradient function.
                          if not name.startswith("_") or name == "_gradient_op_type"))
     signature = tuple((t.dtype.name, _dims(t.shape)) for t in (*op.inputs, *op.outputs))
-    return op.type, attrs, signature, _read_outputs(op)
+    return op.type, attrs, signature, _read_outputs(op), compat.folds_constants(op.graph)
 
 
 def _dims(shape):
@@ -132,8 +132,9 @@ def _probe(op, grad_fn, wanted):
         new_ops = _leading_to(scratch.get_operations()[first_new:], results)
         read = {id(t) for new_op in new_ops
                 if new_op.type not in _SHAPE_ONLY_OP_TYPES for t in new_op.inputs}
-    captured = [outer for outer, inner in (compat.captured_pairs(scratch) if custom else ())
-                if id(inner) in read]
+    pairs = compat.captured_pairs(scratch) if custom else ()
+    captured = [outer for outer, inner in pairs if id(inner) in read]
+    outer_of = {id(inner): outer for outer, inner in pairs}
     return Reads(tuple(i for i, t in enumerate(inputs) if id(t) in read
                        or any(c is op.inputs[i] for c in captured)),
                  tuple(i for i, t in enumerate(copy.outputs) if id(t) in read
@@ -141,7 +142,16 @@ def _probe(op, grad_fn, wanted):
                  _intermediate_peak(new_ops, {id(r) for r in results if r is not None}),
                  tuple(c.name for c in captured
                        if not any(c is t for t in list(op.inputs) + list(op.outputs))),
-                 ungraded, early_gradients.early_bytes(new_ops, seeds))
+                 ungraded, early_gradients.early_bytes(new_ops, seeds, _value_of(op, outer_of)))
+
+
+def _value_of(op, outer_of):
+    """For `early_gradients.early_bytes`: a probe tensor's static value (that
+    of the tensor it stands for, `outer_of`: id -> outer tensor), where
+    Grappler folds `op`'s graph's constants; elsewhere none is used."""
+    if not compat.folds_constants(op.graph):
+        return lambda t: None
+    return lambda t: tf.get_static_value(outer_of.get(id(t), t))
 
 
 def _leading_to(ops, results):
