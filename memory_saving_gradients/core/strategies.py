@@ -41,7 +41,7 @@ EXPENSIVE_OP_TYPES = frozenset({
 })
 MAX_CUTS = 128  # candidate cuts on large graphs (all op boundaries below that)
 CANDIDATE_PLANS = 6  # of the cut model, priced by the timeline
-MAX_PRICED = 128  # plans whose prices are remembered per model ('memory' prices up to 6 + 4 + MAX_STAIRS)
+MAX_PRICED = 32  # plans whose prices are remembered per model (a strategy prices about 10)
 MAX_STAIRS = 64  # plans per loop setting `stairs` walks down
 FIT_RETRIES = 4  # re-solves with a tighter cut-model budget when the prediction overshoots
 # 'memory' and 'speed' leave the gradient to tf.gradients when no plan is
