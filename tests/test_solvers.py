@@ -18,7 +18,6 @@ from memory_saving_gradients.core import cuts
 from memory_saving_gradients.core import pricing
 from memory_saving_gradients.core import solvers
 from memory_saving_gradients.core import strategies
-from random_models import random_model
 from test_selection import chain_model
 from test_selection import residual_model
 
@@ -314,27 +313,3 @@ def test_an_intervals_own_weight_gradients_count_beside_its_recompute():
     blind = strategies.memory(model)  # the same graph, no weight gradients in the plan
     blind_on_weighted = strategies.result_of(weighted, blind.chosen, "blind")
     assert strategies.memory(weighted).peak_bytes <= blind_on_weighted.peak_bytes
-
-
-def _memory_without_stairs(model, monkeypatch):
-    """'memory' as chosen before the walk down the cut model's stairs."""
-    with monkeypatch.context() as patched:
-        patched.setattr(strategies, "stairs", lambda *args: iter(()))
-        return strategies.memory(model)
-
-
-@pytest.mark.parametrize("seed, ops", [(12, 40), (20, 60), (18, 100), (14, 60), (3, 100)])
-def test_memory_walks_the_stairs_to_a_lower_peak_or_less_recompute(seed, ops, monkeypatch):
-    # The first three: the same peak, less recompute; the last two: a lower peak.
-    chosen = strategies.memory(random_model(seed, ops=ops))
-    before = _memory_without_stairs(random_model(seed, ops=ops), monkeypatch)
-    assert ((chosen.peak_bytes, chosen.recompute_flops)
-            < (before.peak_bytes, before.recompute_flops))
-
-
-@pytest.mark.parametrize("seed", range(10))
-def test_memory_is_never_worse_for_the_walk(seed, monkeypatch):
-    chosen = strategies.memory(random_model(seed, ops=60))
-    before = _memory_without_stairs(random_model(seed, ops=60), monkeypatch)
-    assert ((chosen.peak_bytes, chosen.recompute_flops)
-            <= (before.peak_bytes, before.recompute_flops))

@@ -19,7 +19,7 @@ TensorFlow. `run` resolves what a user passed as ``checkpoints=``:
 import collections.abc
 import dataclasses
 import logging
-from typing import Iterator, Optional
+from typing import Optional
 
 import numpy as np
 
@@ -42,7 +42,7 @@ EXPENSIVE_OP_TYPES = frozenset({
 MAX_CUTS = 128  # candidate cuts on large graphs (all op boundaries below that)
 CANDIDATE_PLANS = 6  # of the cut model, priced by the timeline
 MAX_PRICED = 32  # plans whose prices are remembered per model (a strategy prices about 10)
-MAX_STAIRS = 64  # plans per loop setting `stairs` walks down
+MAX_STAIRS = 64  # plans per loop setting `staircase` walks down
 FIT_RETRIES = 4  # re-solves with a tighter cut-model budget when the prediction overshoots
 # 'memory' and 'speed' leave the gradient to tf.gradients when no plan is
 # predicted below its peak. False: always rewrite (to see the rewrite at work
@@ -125,12 +125,7 @@ def memory(model: GraphModel) -> Result:
     """The least predicted peak; among plans of that peak, the least recompute.
 
     The cut model's least-peak plans often recompute more than another plan
-    the timeline prices at the same peak or below (the cut model's peak is
-    not the timeline's). Two searches look for those: the least-recompute
-    plan fitting that peak (`_fitting`), and the walk down the cut model's
-    plans of less recompute (`stairs`, from that peak), which finds plans the
-    first search jumps over: on the benchmarks' ResNet-9 one recomputing 0.48
-    of a forward pass where the others recompute 0.66 or more, at the same peak.
+    the timeline prices at the same peak, so that one is searched for too.
 
     Example: on a 100-layer tanh chain it keeps about 10 tensors, spaced so the
     recomputed segments and the kept tensors are balanced.
@@ -142,21 +137,12 @@ def memory(model: GraphModel) -> Result:
     # Loops stay as the model has them (rerun in chunks): a kept loop's stacks
     # often tie at a peak set elsewhere on a small model, and 'memory' is the
     # mode that reruns loops to save their memory.
-    loops = planning.LoopModes()
-    found = [_fitting(model, problem, least.peak_bytes, "memory", loops)]
-    for step in stairs(model, problem, least.peak_bytes, "memory", loops):
-        if step.recompute_flops >= least.recompute_flops:
-            break  # the cut model's recompute only grows from here
-        found.append(step)
-    cheaper = min((r for r in found if r is not None and r.peak_bytes <= least.peak_bytes
-                   and r.recompute_flops < least.recompute_flops),
-                  key=lambda r: (r.peak_bytes, r.recompute_flops), default=None)
-    if cheaper is None:
+    cheaper = _fitting(model, problem, least.peak_bytes, "memory", planning.LoopModes())
+    if cheaper is None or cheaper.recompute_flops >= least.recompute_flops:
         return least
     return dataclasses.replace(cheaper, notes=cheaper.notes + (
         f"least recompute at the least predicted peak "
-        f"({least.peak_bytes / 2**20:.1f} MiB, {least.recompute_flops:.3g} FLOPs "
-        f"recomputed by the cut model's least-peak plan)",))
+        f"({least.peak_bytes / 2**20:.1f} MiB, {least.recompute_flops:.3g} FLOPs recomputed)",))
 
 
 def least_peak(model: GraphModel, problem=None) -> Result:
@@ -184,23 +170,20 @@ def fitting_plan(model: GraphModel, problem, max_bytes, name, peak=None) -> Opti
 
 def staircase(model: GraphModel, problem, top, name) -> list:
     """Every plan `fitting_plan`'s search can start from at a budget of at most
-    `top`: the `stairs` under each loop setting."""
-    return [result for modes in loop_plans.settings(model)
-            for result in stairs(model, problem, top, name, modes)]
-
-
-def stairs(model: GraphModel, problem, top, name, loops) -> Iterator[Result]:
-    """Under `loops`, the cut model's least-recompute plan under `top`, then
+    `top`: under each loop setting, the least-recompute plan under `top`, then
     under one byte less than that plan's cut-model peak, and so on down to the
-    cut model's least peak (at most `MAX_STAIRS` plans), priced as they are
-    reached: the cut model's recompute grows from one to the next."""
-    adjusted, target = loop_plans.adjusted(problem, model, loops), top
-    for _ in range(MAX_STAIRS):
-        step = solvers.least_recompute(adjusted, target)
-        if step is None:
-            return
-        yield result_of(model, tensors_of(model, step.cost.kept_ops), name, loops=loops)
-        target = step.cost.peak_bytes - 1
+    cut model's least peak (at most `MAX_STAIRS` plans a setting), priced."""
+    found = []
+    for modes in loop_plans.settings(model):
+        adjusted, target = loop_plans.adjusted(problem, model, modes), top
+        for _ in range(MAX_STAIRS):
+            step = solvers.least_recompute(adjusted, target)
+            if step is None:
+                break
+            found.append(result_of(model, tensors_of(model, step.cost.kept_ops), name,
+                                   loops=modes))
+            target = step.cost.peak_bytes - 1
+    return found
 
 
 def _fitting(model, problem, max_bytes, name, loops, peak=None) -> Optional[Result]:
