@@ -15,6 +15,8 @@ from typing import List, Optional, Sequence, Tuple
 import tensorflow as tf
 
 from memory_saving_gradients.tfgraph import compat
+from memory_saving_gradients.tfgraph import max_pool_grad_grad
+from memory_saving_gradients.tfgraph.reading import region_ops
 
 
 def encloses(outer, graph) -> bool:
@@ -75,7 +77,14 @@ def beyond(entries: Sequence[Tuple[tf.Tensor, tf.Tensor]], entry_grads: Sequence
     if not reached:
         zero = unconnected == tf.UnconnectedGradients.ZERO
         return [compat.zeros_like_gradient(x) if zero else None for x in xs]
-    return compat.stock_gradients([e for e, _ in reached], list(xs),
-                                  grad_ys=[g for _, g in reached],
-                                  stop_gradients=list(stops) or None,
-                                  unconnected_gradients=unconnected)
+    externals = [e for e, _ in reached]
+    # As in rewrite.backprop: second orders through max pools without the
+    # CPU MaxPoolGradGrad kernel, which can return zeros (max_pool_grad_grad.py).
+    # (Of graph tensors: a capture of an eager tensor has no op.)
+    with max_pool_grad_grad.argmax_gradients(region_ops(
+            [e for e in externals if tf.is_symbolic_tensor(e)],
+            [x for x in xs if tf.is_symbolic_tensor(x)])):
+        return compat.stock_gradients(externals, list(xs),
+                                      grad_ys=[g for _, g in reached],
+                                      stop_gradients=list(stops) or None,
+                                      unconnected_gradients=unconnected)
