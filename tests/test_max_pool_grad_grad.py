@@ -10,31 +10,32 @@ import memory_saving_gradients as msg
 from memory_saving_gradients.tfgraph import compat
 from memory_saving_gradients.tfgraph import max_pool_grad_grad
 
-_IMAGE = np.random.RandomState(0).randn(2, 5, 5, 3)
+IMAGE = np.random.RandomState(0).randn(2, 5, 5, 3)
 
 
-def _loss(x):
+def pooled_loss(x):
     return tf.reduce_sum(tf.square(tf.nn.max_pool2d(x * 1.3, 2, 1, "SAME")))
 
 
-def _penalty(first):
+def gradient_penalty(first):
     return tf.reduce_sum(tf.square(first))
 
 
 def _second_order(x, first_order, second_order):
-    first, = first_order(_loss(x), [x])
-    return second_order(_penalty(first), [x])[0]
+    first, = first_order(pooled_loss(x), [x])
+    return second_order(gradient_penalty(first), [x])[0]
 
 
-def _eager_reference(image):
-    """Nested tapes: eagerly the `grad` buffer is held by Python, never forwarded."""
+def eager_reference(image, loss_of=pooled_loss):
+    """d penalty(d loss / dx) / dx by nested tapes: eagerly the `grad` buffer
+    is held by Python, never forwarded."""
     x = tf.constant(image)
     with tf.GradientTape() as outer:
         outer.watch(x)
         with tf.GradientTape() as inner:
             inner.watch(x)
-            loss = _loss(x)
-        penalty = _penalty(inner.gradient(loss, x))
+            loss = loss_of(x)
+        penalty = gradient_penalty(inner.gradient(loss, x))
     return outer.gradient(penalty, x).numpy()
 
 
@@ -44,8 +45,8 @@ def _finite_differences(image, eps=1e-6):
         x = tf.constant(value)
         with tf.GradientTape() as tape:
             tape.watch(x)
-            loss = _loss(x)
-        return _penalty(tape.gradient(loss, x)).numpy()
+            loss = pooled_loss(x)
+        return gradient_penalty(tape.gradient(loss, x)).numpy()
     result = np.zeros_like(image)
     for index in np.ndindex(*image.shape):
         step = np.zeros_like(image)
@@ -57,12 +58,12 @@ def _finite_differences(image, eps=1e-6):
 def _run(runtime, first_order, second_order):
     if runtime == "function":
         step = tf.function(lambda x: _second_order(x, first_order, second_order))
-        return step(tf.constant(_IMAGE)).numpy()
+        return step(tf.constant(IMAGE)).numpy()
     with tf.Graph().as_default():
-        x = tf.compat.v1.placeholder(tf.float64, _IMAGE.shape)
+        x = tf.compat.v1.placeholder(tf.float64, IMAGE.shape)
         result = _second_order(x, first_order, second_order)
         with tf.compat.v1.Session() as session:
-            return session.run(result, {x: _IMAGE})
+            return session.run(result, {x: IMAGE})
 
 
 def _ours(ys, xs):
@@ -74,7 +75,7 @@ def test_stock_second_order_through_stride_one_same_pool_is_zero(runtime):
     """The TensorFlow bug itself (TF 2.16 and 2.21: zeros 10 runs in 10). If this
     fails, TensorFlow's kernel no longer forwards the buffer: see whether
     max_pool_grad_grad.py is still needed."""
-    reference = _eager_reference(_IMAGE)
+    reference = eager_reference(IMAGE)
     assert np.count_nonzero(reference) > 50
     results = [_run(runtime, tf.gradients, tf.gradients) for _ in range(3)]
     assert any(np.count_nonzero(r) == 0 for r in results)
@@ -83,8 +84,8 @@ def test_stock_second_order_through_stride_one_same_pool_is_zero(runtime):
 @pytest.mark.parametrize("runtime", ["function", "session"])
 @pytest.mark.parametrize("first", ["stock", "ours"])
 def test_our_second_order_matches_eager_tapes_and_finite_differences(runtime, first):
-    reference = _eager_reference(_IMAGE)
-    np.testing.assert_allclose(reference, _finite_differences(_IMAGE), rtol=1e-5, atol=1e-6)
+    reference = eager_reference(IMAGE)
+    np.testing.assert_allclose(reference, _finite_differences(IMAGE), rtol=1e-5, atol=1e-6)
     first_order = tf.gradients if first == "stock" else _ours
     for _ in range(3):  # the stock kernel's failure depends on the schedule
         np.testing.assert_allclose(_run(runtime, first_order, _ours), reference,
@@ -151,7 +152,7 @@ def test_our_second_order_where_the_plan_leaves_it_to_tf_gradients():
     """On this toy graph no plan is predicted below tf.gradients: the call is
     stock tf.gradients (rewrite.backprop's plan.stock), which must get our
     gradient too."""
-    reference = _eager_reference(_IMAGE)
+    reference = eager_reference(IMAGE)
     def second_order(ys, xs):
         return msg.gradients(ys, xs, checkpoints="memory")
     for _ in range(3):

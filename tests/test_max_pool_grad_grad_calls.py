@@ -15,8 +15,11 @@ import pytest
 import tensorflow as tf
 
 import memory_saving_gradients as msg
+from test_max_pool_grad_grad import IMAGE
+from test_max_pool_grad_grad import pooled_loss
+from test_max_pool_grad_grad import gradient_penalty
+from test_max_pool_grad_grad import eager_reference
 
-_IMAGE = np.random.RandomState(0).randn(2, 5, 5, 3)
 _SEED = np.random.RandomState(1).randn(2, 5, 5, 3)
 
 
@@ -24,32 +27,16 @@ def _pool(x):
     return tf.nn.max_pool2d(x, 2, 1, "SAME")  # output has its input's shape: affected
 
 
-def _loss(x):
-    return tf.reduce_sum(tf.square(_pool(x * 1.3)))
-
-
-def _penalty(first):
-    return tf.reduce_sum(tf.square(first))
-
-
 def _ours(ys, xs, **kwargs):
     return msg.gradients(ys, xs, checkpoints=[], **kwargs)
 
 
-def _tapes(loss=_loss):
-    """d penalty(d loss / dx) / dx by eager nested tapes (which never hit the fault)."""
-    x = tf.constant(_IMAGE)
-    with tf.GradientTape() as outer:
-        outer.watch(x)
-        with tf.GradientTape() as inner:
-            inner.watch(x)
-            value = loss(x)
-        penalty = _penalty(inner.gradient(value, x))
-    return outer.gradient(penalty, x).numpy()
+def _tapes(loss=pooled_loss):
+    return eager_reference(IMAGE, loss)
 
 
 def _cond_loss(x):
-    return tf.cond(tf.constant(True), lambda: _loss(x), lambda: tf.reduce_sum(x))
+    return tf.cond(tf.constant(True), lambda: pooled_loss(x), lambda: tf.reduce_sum(x))
 
 
 def _check(step, reference):
@@ -60,32 +47,32 @@ def _check(step, reference):
 
 
 def test_xs_a_variable_in_a_function():
-    v = tf.Variable(_IMAGE)
+    v = tf.Variable(IMAGE)
 
     @tf.function
     def step():
-        first = tf.gradients(_loss(v), v)[0]
-        return _ours(_penalty(first), [v])[0]
+        first = tf.gradients(pooled_loss(v), v)[0]
+        return _ours(gradient_penalty(first), [v])[0]
     _check(lambda: step().numpy(), _tapes())
 
 
 def test_xs_a_variable_first_order_by_a_tape():
-    v = tf.Variable(_IMAGE)
+    v = tf.Variable(IMAGE)
 
     @tf.function
     def step():
         with tf.GradientTape() as tape:
-            loss = _loss(v)
-        return _ours(_penalty(tape.gradient(loss, v)), [v])[0]
+            loss = pooled_loss(v)
+        return _ours(gradient_penalty(tape.gradient(loss, v)), [v])[0]
     _check(lambda: step().numpy(), _tapes())
 
 
 def test_xs_a_resource_variable_in_a_session():
     def run():
         with tf.Graph().as_default():
-            v = tf.compat.v1.get_variable("v", initializer=tf.constant(_IMAGE),
+            v = tf.compat.v1.get_variable("v", initializer=tf.constant(IMAGE),
                                           use_resource=True)
-            result = _ours(_penalty(tf.gradients(_loss(v), v)[0]), [v])[0]
+            result = _ours(gradient_penalty(tf.gradients(pooled_loss(v), v)[0]), [v])[0]
             with tf.compat.v1.Session() as session:
                 session.run(v.initializer)
                 return session.run(result)
@@ -95,11 +82,11 @@ def test_xs_a_resource_variable_in_a_session():
 def test_with_stop_gradients():
     @tf.function
     def step(x):
-        first = tf.gradients(_loss(x), x)[0]
+        first = tf.gradients(pooled_loss(x), x)[0]
         stopped = x * 2.0
-        return _ours(_penalty(first) + tf.reduce_sum(stopped), [x],
+        return _ours(gradient_penalty(first) + tf.reduce_sum(stopped), [x],
                      stop_gradients=[stopped])[0]
-    _check(lambda: step(tf.constant(_IMAGE)).numpy(), _tapes())
+    _check(lambda: step(tf.constant(IMAGE)).numpy(), _tapes())
 
 
 def test_xs_the_first_orders_seed():
@@ -107,22 +94,22 @@ def test_xs_the_first_orders_seed():
     @tf.function
     def step(x, seed):
         first = tf.gradients(_pool(x * 1.3), x, grad_ys=seed)[0]
-        return _ours(_penalty(first), [seed])[0]
-    x, seed = tf.constant(_IMAGE), tf.constant(_SEED)
+        return _ours(gradient_penalty(first), [seed])[0]
+    x, seed = tf.constant(IMAGE), tf.constant(_SEED)
     with tf.GradientTape() as outer:
         outer.watch(seed)
         with tf.GradientTape() as inner:
             inner.watch(x)
             pooled = _pool(x * 1.3)
-        penalty = _penalty(inner.gradient(pooled, x, output_gradients=seed))
+        penalty = gradient_penalty(inner.gradient(pooled, x, output_gradients=seed))
     _check(lambda: step(x, seed).numpy(), outer.gradient(penalty, seed).numpy())
 
 
 def _function_case(loss):
     @tf.function
     def step(x):
-        return _ours(_penalty(tf.gradients(loss(x), x)[0]), [x])[0]
-    return lambda: step(tf.constant(_IMAGE)).numpy()
+        return _ours(gradient_penalty(tf.gradients(loss(x), x)[0]), [x])[0]
+    return lambda: step(tf.constant(IMAGE)).numpy()
 
 
 _GAP = pytest.mark.xfail(strict=True, reason="MaxPoolGrad in a function body is not "
@@ -145,7 +132,7 @@ def test_gap_while_loop_around_the_pool():
 
 @_GAP
 def test_gap_pool_in_a_nested_function():
-    _check(_function_case(tf.function(_loss)), _tapes())
+    _check(_function_case(tf.function(pooled_loss)), _tapes())
 
 
 def test_second_order_inside_a_cond_branch_of_an_outer_x():
@@ -153,7 +140,7 @@ def test_second_order_inside_a_cond_branch_of_an_outer_x():
     # the outer x ran without the override.
     @tf.function
     def step(x):
-        first = tf.gradients(_loss(x), x)[0]
-        return tf.cond(tf.constant(True), lambda: _ours(_penalty(first), [x])[0],
+        first = tf.gradients(pooled_loss(x), x)[0]
+        return tf.cond(tf.constant(True), lambda: _ours(gradient_penalty(first), [x])[0],
                        lambda: tf.zeros_like(x))
-    _check(lambda: step(tf.constant(_IMAGE)).numpy(), _tapes())
+    _check(lambda: step(tf.constant(IMAGE)).numpy(), _tapes())
