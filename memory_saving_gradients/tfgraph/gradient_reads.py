@@ -51,7 +51,7 @@ class Reads:
     early_bytes: int = 0
 
 
-def gradient_reads(op: tf.Operation, wanted: tuple = None) -> Reads:
+def gradient_reads(op: tf.Operation, wanted: tuple = None, folds: bool = None) -> Reads:
     """The `Reads` of `op`'s registered gradient (cached per kind of op).
 
     `wanted`: one bool per input, whether backprop needs its gradient (None:
@@ -60,12 +60,15 @@ def gradient_reads(op: tf.Operation, wanted: tuple = None) -> Reads:
     and scratch do not count. Ops without a gradient read nothing; ops whose
     gradient cannot be built on a scratch graph (function calls, control
     flow, unusual attributes) are assumed to read every input and output,
-    which never under-counts memory.
+    which never under-counts memory. `folds`: whether Grappler folds the
+    constants of `op`'s graph (`compat.folds_constants`, asked when None; a
+    reading of many ops asks once).
     """
     wanted = tuple(wanted) if wanted is not None else (True,) * len(op.inputs)
-    key = _key(op) + (wanted,)
+    folds = compat.folds_constants(op.graph) if folds is None else folds
+    key = _key(op) + (wanted, folds)
     if key not in _READS:
-        _READS[key] = _reads(op, wanted)
+        _READS[key] = _reads(op, wanted, folds)
     return _READS[key]
 
 
@@ -76,7 +79,7 @@ def _key(op):
                          # one naming a tf.custom_gradient's own gradient function.
                          if not name.startswith("_") or name == "_gradient_op_type"))
     signature = tuple((t.dtype.name, _dims(t.shape)) for t in (*op.inputs, *op.outputs))
-    return op.type, attrs, signature, _read_outputs(op), compat.folds_constants(op.graph)
+    return op.type, attrs, signature, _read_outputs(op)
 
 
 def _dims(shape):
@@ -91,7 +94,7 @@ def _read_outputs(op):
     return tuple(bool(t.consumers()) for t in op.outputs)
 
 
-def _reads(op, wanted):
+def _reads(op, wanted, folds):
     """The Reads of `op`'s registered gradient, probed (two threads tracing at
     once may both probe one kind: the same answer, stored twice)."""
     everything = Reads(tuple(range(len(op.inputs))), tuple(range(len(op.outputs))))
@@ -102,14 +105,14 @@ def _reads(op, wanted):
     if grad_fn is None:
         return Reads((), ())
     try:
-        return _probe(op, grad_fn, wanted)
+        return _probe(op, grad_fn, wanted, folds)
     except Exception as error:  # pylint: disable=broad-except  # any failure: assume the worst
         logger.debug("gradient of %s (%s) not probed, taken to read everything: %s",
                      op.name, op.type, error)
         return everything
 
 
-def _probe(op, grad_fn, wanted):
+def _probe(op, grad_fn, wanted, folds):
     """Builds `grad_fn` for a copy of `op` on a scratch graph; returns the Reads of
     the gradient ops that lead to the `wanted` inputs' gradients."""
     # A tf.custom_gradient's gradient ignores the op and reads the forward
@@ -142,14 +145,14 @@ def _probe(op, grad_fn, wanted):
                  _intermediate_peak(new_ops, {id(r) for r in results if r is not None}),
                  tuple(c.name for c in captured
                        if not any(c is t for t in list(op.inputs) + list(op.outputs))),
-                 ungraded, early_gradients.early_bytes(new_ops, seeds, _value_of(op, outer_of)))
+                 ungraded, early_gradients.early_bytes(new_ops, seeds, _value_of(folds, outer_of)))
 
 
-def _value_of(op, outer_of):
+def _value_of(folds, outer_of):
     """For `early_gradients.early_bytes`: a probe tensor's static value (that
     of the tensor it stands for, `outer_of`: id -> outer tensor), where
-    Grappler folds `op`'s graph's constants; elsewhere none is used."""
-    if not compat.folds_constants(op.graph):
+    Grappler folds the graph's constants (`folds`); elsewhere none is used."""
+    if not folds:
         return lambda t: None
     return lambda t: tf.get_static_value(outer_of.get(id(t), t))
 

@@ -44,10 +44,12 @@ class Reading:
       op_inputs: op name -> names of the tensors its gradient reaches: its
         inputs, or for the Exit ops of a tf.compat.v1 while loop, the tensors
         entering the loop.
+      ops: every op between xs and ys (`region_ops`), loop bodies included.
     """
     model: GraphModel
     region: frozenset
     op_inputs: Mapping[str, tuple]
+    ops: tuple
 
     def is_weight(self, name: str) -> bool:
         """True for region tensors that depend only on xs (kept, never recomputed)."""
@@ -183,6 +185,7 @@ def build_model(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor]) -> Reading:
     other_bytes = 0
     region = frozenset(o.name for op in units for o in op.outputs)
     regions = (region - activations, region | x_names)
+    folds = compat.folds_constants(ys[0].graph)  # asked once: each ask reads the config
     backprop = {"grad_reads": {}, "workspace": {}, "weight_grad_bytes": {},
                 "stock_workspace": {}, "run_workspace": {}, "recompute_workspace": {},
                 "trailing_workspace": {}, "ungraded": {}, "shared_buffers": {},
@@ -194,7 +197,7 @@ def build_model(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor]) -> Reading:
         if activations.isdisjoint(outs):
             other_bytes += sum(op_kinds.tensor_bytes(o) for o in outs.values())
             continue
-        _record_backprop(op, inputs[op], activations, regions, backprop)
+        _record_backprop(op, inputs[op], activations, regions, folds, backprop)
         backprop["run_workspace"][name] = workspace.run_workspace_bytes(op)
         if transposed_copies.recomputes_scratch_free(op):
             backprop["recompute_workspace"][name] = transposed_copies.copy_workspace_bytes(op)
@@ -232,7 +235,7 @@ def build_model(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor]) -> Reading:
         ys=tuple(y.name for y in ys if y.name in activations),
         op_outputs=op_outputs, other_bytes=other_bytes, num_region_ops=len(ops),
         loops=loop_facts, **backprop)
-    return Reading(model=model, region=region, op_inputs=op_inputs)
+    return Reading(model=model, region=region, op_inputs=op_inputs, ops=tuple(ops))
 
 
 def _passed_through(op, activations) -> dict:
@@ -260,12 +263,13 @@ def _names_read(op, reads):
     return read
 
 
-def _record_backprop(op, op_inputs, activations, regions, backprop):
+def _record_backprop(op, op_inputs, activations, regions, folds, backprop):
     """What `op`'s gradient reads, allocates besides its results, sends to weights.
 
     `regions`: (names of the region's tensors that are not activations, whose
     gradients are weight gradients; names of the region's tensors and the xs,
     what backprop takes gradients of: other inputs' gradient branches are pruned).
+    `folds`: whether Grappler folds the graph's constants (`compat.folds_constants`).
     """
     weights, differentiated = regions
     name = op.name
@@ -274,7 +278,7 @@ def _record_backprop(op, op_inputs, activations, regions, backprop):
         read = [t.name for t in op_inputs]  # a v1 loop: assume it reads all it took in
         scratch = 0
     else:
-        reads = gradient_reads.gradient_reads(op, inputs_differentiated)
+        reads = gradient_reads.gradient_reads(op, inputs_differentiated, folds)
         read = _names_read(op, reads)
         scratch = reads.scratch_bytes
         if reads.early_bytes:

@@ -45,7 +45,6 @@ from memory_saving_gradients.tfgraph import side_inputs
 from memory_saving_gradients.tfgraph import workspace
 from memory_saving_gradients.tfgraph.ledger import GradientLedger
 from memory_saving_gradients.tfgraph.reading import Reading
-from memory_saving_gradients.tfgraph.reading import region_ops
 
 
 def backprop(reading: Reading, plan: Plan, ys, xs, grad_ys, stop_gradients, tf_kwargs,
@@ -54,7 +53,7 @@ def backprop(reading: Reading, plan: Plan, ys, xs, grad_ys, stop_gradients, tf_k
     # Second orders through max pools without the CPU MaxPoolGradGrad kernel,
     # which can return zeros (max_pool_grad_grad.py): in every call, stock
     # included, among the ops between xs and ys (the ones tf.gradients differentiates).
-    with max_pool_grad_grad.argmax_gradients(region_ops(ys, xs)):
+    with max_pool_grad_grad.argmax_gradients(reading.ops):
         return _backprop(reading, plan, ys, xs, grad_ys, stop_gradients, tf_kwargs, unconnected)
 
 
