@@ -140,5 +140,7 @@ def op_cost(op: tf.Operation) -> int:
     if op.type.startswith(("Conv", "DepthwiseConv")) and len(op.inputs) > 1:
         kernel = op.inputs[1].shape
         if kernel.rank and kernel.is_fully_defined():
-            return 2 * out_elems * math.prod(kernel.as_list()[:-1])
+            # A depthwise output reads one input channel: its window, not every channel's.
+            taps = kernel.as_list()[:-2 if op.type.startswith("DepthwiseConv") else -1]
+            return 2 * out_elems * math.prod(taps)
     return out_elems
