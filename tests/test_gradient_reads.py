@@ -68,3 +68,25 @@ def test_convolution_of_an_x_is_priced_with_its_input_gradient_and_trailing_chai
     # (Besides it, the stock gradient's shape vectors: a few bytes.)
     assert with_input <= model.workspace[y.op.name] < with_input + 1024
     assert model.trailing_workspace[y.op.name] == filter_only
+
+
+def test_gradients_passed_on_are_found():
+    """An input whose gradient is the output's gradient itself takes no buffer."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, (4, 8))
+        y = tf.compat.v1.placeholder(tf.float32, (4, 8))
+        bias = tf.compat.v1.placeholder(tf.float32, (8,))
+        unknown = tf.compat.v1.placeholder(tf.float32, (None, 8))
+        cases = {
+            x + y: (0, 1),             # `return grad, grad`
+            x + bias: (0,),            # the bias' gradient is a sum
+            tf.nn.bias_add(x, bias): (0,),
+            x - y: (0,),               # the second gradient is negated
+            x * y: (),
+            unknown + x: (),           # shapes TensorFlow cannot compare: reduced
+        }
+        for output in cases:
+            tf.identity(output)  # read: an output nobody reads gets no gradient
+    for output, passed in cases.items():
+        assert gradient_reads.gradient_reads(output.op).passed == passed, output.op.type

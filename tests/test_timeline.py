@@ -282,3 +282,17 @@ def test_stock_range_is_predict_without_separate_weight_gradients(threads):
     for m in (model, looped):
         stock = timeline.predict(m).baseline_bytes
         assert timeline.stock_peak_range(m, threads) == (stock, stock)
+
+
+def test_a_gradient_passed_on_takes_no_buffer():
+    # BiasAdd-like ops whose input gradient is their output gradient itself
+    # (`passed_grads`, as `return grad, grad` of an AddV2 without a reduction):
+    # in backprop one gradient buffer goes down the chain, in stock replays and planned ones.
+    base, names = chain(10, reads="nothing")
+    passing, _ = chain(10, reads="nothing",
+                       passed_grads={n: (p,) for p, n in zip(names, names[1:])})
+    assert timeline.predict(base).peak_bytes == 3 * B
+    assert timeline.predict(passing).peak_bytes == 2 * B
+    for model, expected in ((base, 3 * B), (passing, 2 * B)):
+        plan = planning.make_plan(model, {names[4]}, "list")
+        assert timeline.step_peaks(model, plan)[1] == expected

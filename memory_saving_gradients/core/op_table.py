@@ -30,6 +30,8 @@ class OpRow:
       outputs: its activation outputs.
       reads: activations its gradient reads (`gradient_reads`).
       grads: (input, bytes) for each floating input its gradient makes a gradient for.
+      passed: the inputs of `grads` whose gradient is the op's output gradient
+        itself (`GraphModel.passed_grads`).
       op_type: the type of the op (of its first output).
       cost: FLOPs of running it once.
     """
@@ -39,6 +41,7 @@ class OpRow:
     grads: tuple
     op_type: str
     cost: int
+    passed: tuple = ()
 
 
 def per_model(model: GraphModel, what: str, build):
@@ -76,5 +79,5 @@ def _build_rows(model):
             inputs=inputs, outputs=tuple(outputs), reads=tuple(reads),
             grads=tuple((t, tensors[t].bytes) for t in inputs
                         if tensors[t].is_float and t not in ungraded),
-            op_type=first.op_type, cost=first.cost)
+            op_type=first.op_type, cost=first.cost, passed=tuple(model.passed_grads.get(op, ())))
     return table

@@ -330,6 +330,7 @@ class _Replay(LoopEvents):
             read = [key for o in row.outputs for key in pending.pop(o, ())]
             if not read and self.ys.isdisjoint(row.outputs):
                 continue  # no gradient reaches it: tf.gradients builds none
+            passed = read[0] if row.passed and len(read) == 1 else None
             read += map(source or forward_keys.__getitem__, row.reads)
             # A chain still running meets this gradient, the next chain's too.
             self._use_all(read)
@@ -347,7 +348,11 @@ class _Replay(LoopEvents):
             small = small_grads.get(op)
             for t, size in row.grads:  # `_alloc`, inlined
                 key = ("grad", op, t)
-                born[key] = (step, size if small is None else small)
+                if passed is not None and t in row.passed:  # the gradient that came in
+                    born[key] = (step, 0)
+                    self.alias[key] = passed
+                else:
+                    born[key] = (step, size if small is None else small)
                 last_use.setdefault(key, step)
                 pending.setdefault(t, []).append(key)
             weights = model.weight_grad_bytes.get(op, 0)
@@ -383,13 +388,15 @@ class _Replay(LoopEvents):
                 if op in model.loops:
                     self._loop_backward(op, model.loops[op], ("fwd",))
                 # A BiasAdd passes its output gradient on as its input's: one buffer.
-                passed = (held[op] if part == stock_order.DATA and len(held[op]) == 1
-                          and row.op_type in stock_order.PASS_THROUGH else None)
+                whole_type = part == stock_order.DATA and row.op_type in stock_order.PASS_THROUGH
+                passed = held[op][0] if len(held[op]) == 1 else None
                 for t, size in row.grads:
                     key = ("grad", op, t)
-                    self._alloc(key, 0 if passed else size)
-                    if passed:
-                        self.alias[key] = passed[0]
+                    if passed is not None and (whole_type or t in row.passed):
+                        self._alloc(key, 0)
+                        self.alias[key] = passed
+                    else:
+                        self._alloc(key, size)
                     pending.setdefault(t, []).append(key)
             weights = model.weight_grad_bytes.get(op, 0)
             if weights and part != stock_order.DATA:

@@ -42,13 +42,17 @@ class Reads:
     `captured`: names of other forward tensors it reads (a tf.custom_gradient
     closing over the tensors of its call); `ungraded`: indices of the inputs
     it makes no gradient for (None); `early_bytes`: bytes of its parts that
-    read only forward tensors, which run in the forward pass (early_gradients)."""
+    read only forward tensors, which run in the forward pass (early_gradients);
+    `passed`: indices of the inputs whose gradient is an output's gradient
+    itself, no buffer of its own (BiasAdd's, and an AddV2's where TensorFlow
+    knows no reduction is needed)."""
     inputs: tuple
     outputs: tuple
     scratch_bytes: int = 0
     captured: tuple = ()
     ungraded: tuple = ()
     early_bytes: int = 0
+    passed: tuple = ()
 
 
 def gradient_reads(op: tf.Operation, wanted: tuple = None, folds: bool = None) -> Reads:
@@ -131,6 +135,8 @@ def _probe(op, grad_fn, wanted, folds):
         results = grad_fn(copy, *seeds)
         results = results if isinstance(results, (list, tuple)) else [results]
         ungraded = tuple(i for i, r in enumerate(results) if r is None)
+        given = {id(s) for s, read in zip(seeds, _read_outputs(op)) if read and s is not None}
+        passed = tuple(i for i, r in enumerate(results) if _passes_on(r, given))
         results = [r for r, keep in zip(results, wanted) if keep]
         new_ops = _leading_to(scratch.get_operations()[first_new:], results)
         read = {id(t) for new_op in new_ops
@@ -145,7 +151,19 @@ def _probe(op, grad_fn, wanted, folds):
                  _intermediate_peak(new_ops, {id(r) for r in results if r is not None}),
                  tuple(c.name for c in captured
                        if not any(c is t for t in list(op.inputs) + list(op.outputs))),
-                 ungraded, early_gradients.early_bytes(new_ops, seeds, _value_of(folds, outer_of)))
+                 ungraded, early_gradients.early_bytes(new_ops, seeds, _value_of(folds, outer_of)),
+                 passed)
+
+
+def _passes_on(result, seeds) -> bool:
+    """Whether `result` is one of `seeds` (ids), or an alias of one (a reshape of it)."""
+    while isinstance(result, tf.Tensor):
+        if id(result) in seeds:
+            return True
+        if result.op.type not in timeline.ALIASING_OP_TYPES or not result.op.inputs:
+            return False
+        result = result.op.inputs[0]
+    return False
 
 
 def _value_of(folds, outer_of):

@@ -189,7 +189,7 @@ def build_model(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor]) -> Reading:
     backprop = {"grad_reads": {}, "workspace": {}, "weight_grad_bytes": {},
                 "stock_workspace": {}, "run_workspace": {}, "recompute_workspace": {},
                 "trailing_workspace": {}, "ungraded": {}, "shared_buffers": {},
-                "early_workspace": {}, "small_grads": {}}
+                "early_workspace": {}, "small_grads": {}, "passed_grads": {}}
     for op in units:
         name = op.name
         op_inputs[name] = tuple(i.name for i in inputs[op])
@@ -285,6 +285,10 @@ def _record_backprop(op, op_inputs, activations, regions, folds, backprop):
             backprop["early_workspace"][name] = reads.early_bytes
         backprop["ungraded"][name] = tuple(
             op.inputs[i].name for i in reads.ungraded if i < len(op.inputs))
+        passed = tuple(op.inputs[i].name for i in reads.passed
+                       if i < len(op.inputs) and op.inputs[i].name in activations)
+        if passed:
+            backprop["passed_grads"][name] = passed
     backprop["grad_reads"][name] = tuple(n for n in read if n in activations)
     if broadcast_sinking.keeps_small(
             op, lambda reader: any(o.name in differentiated for o in reader.outputs)):
