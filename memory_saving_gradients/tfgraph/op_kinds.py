@@ -138,9 +138,16 @@ def op_cost(op: tf.Operation) -> int:
         inner = shape[inner_axis] if shape.rank else None
         return 2 * out_elems * (inner or 1)
     if op.type.startswith(("Conv", "DepthwiseConv")) and len(op.inputs) > 1:
-        kernel = op.inputs[1].shape
+        # A convolution and both its backprops take one product per tap of the
+        # window for each element of the convolution's output: for a backprop
+        # that is its `out_backprop` (third input), not its result (a strided
+        # transposed convolution's result has stride**2 times more elements;
+        # a filter backprop's result is the filter, its second input a shape).
+        backprop = "Backprop" in op.type
+        kernel = (op.outputs[0] if "BackpropFilter" in op.type else op.inputs[1]).shape
         if kernel.rank and kernel.is_fully_defined():
             # A depthwise output reads one input channel: its window, not every channel's.
             taps = kernel.as_list()[:-2 if op.type.startswith("DepthwiseConv") else -1]
-            return 2 * out_elems * math.prod(taps)
+            products = tensor_elements(op.inputs[2]) if backprop else out_elems
+            return 2 * products * math.prod(taps)
     return out_elems
