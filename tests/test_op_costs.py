@@ -84,3 +84,19 @@ def test_grouped_convolution_reads_its_group_of_input_channels():
     grouped = _op(lambda: tf.nn.conv2d(tf.zeros([2, 8, 8, 16]), tf.zeros([3, 3, 4, 32]),
                                        strides=1, padding="SAME"))
     assert op_kinds.op_cost(grouped) == 2 * (2 * 8 * 8 * 32) * (3 * 3 * 4)
+
+
+def test_einsum_counts_every_index_of_its_contraction():
+    # Attention scores as the GPT-2 and Llama benchmarks write them: one
+    # product per (b, h, q, k, d); priced at its output size before, 64x low here.
+    scores = _op(lambda: tf.einsum("bqhd,bkhd->bhqk", tf.zeros([2, 16, 4, 64]),
+                                   tf.zeros([2, 16, 4, 64])))
+    assert scores.type == "Einsum"
+    assert op_kinds.op_cost(scores) == 2 * (2 * 4 * 16 * 16) * 64
+
+
+def test_einsum_with_an_ellipsis_is_priced_at_its_output():
+    batched = _op(lambda: tf.einsum("...ij,...jk->...ik", tf.zeros([3, 4, 5]),
+                                    tf.zeros([3, 5, 6])))
+    assert batched.type == "Einsum"
+    assert op_kinds.op_cost(batched) == 3 * 4 * 6

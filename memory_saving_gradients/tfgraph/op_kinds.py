@@ -150,4 +150,20 @@ def op_cost(op: tf.Operation) -> int:
             taps = kernel.as_list()[:-2 if op.type.startswith("DepthwiseConv") else -1]
             products = tensor_elements(op.inputs[2]) if backprop else out_elems
             return 2 * products * math.prod(taps)
+    if op.type == "Einsum" and len(op.inputs) == 2:
+        return _contraction_flops(op.get_attr("equation").decode(), op.inputs) or out_elems
     return out_elems
+
+
+def _contraction_flops(equation: str, inputs) -> int:
+    """2 * the product of every index's size of a two-operand einsum (one
+    multiply-add per combination of output and summed indices); 0 where the
+    equation has an ellipsis or a size is unknown."""
+    operands = equation.split("->")[0].split(",")
+    sizes = {}
+    for letters, tensor in zip(operands, inputs):
+        dims = tensor.shape.as_list() if tensor.shape.rank is not None else None
+        if "." in letters or dims is None or len(dims) != len(letters) or None in dims:
+            return 0
+        sizes.update(zip(letters, dims))
+    return 2 * math.prod(sizes.values())
