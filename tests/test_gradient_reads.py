@@ -71,7 +71,7 @@ def test_convolution_of_an_x_is_priced_with_its_input_gradient_and_trailing_chai
 
 
 def test_gradients_passed_on_are_found():
-    """An input whose gradient is the output's gradient itself takes no buffer."""
+    """(input, output) of each input whose gradient is that output's gradient itself."""
     graph = tf.Graph()
     with graph.as_default():
         x = tf.compat.v1.placeholder(tf.float32, (4, 8))
@@ -79,10 +79,10 @@ def test_gradients_passed_on_are_found():
         bias = tf.compat.v1.placeholder(tf.float32, (8,))
         unknown = tf.compat.v1.placeholder(tf.float32, (None, 8))
         cases = {
-            x + y: (0, 1),             # `return grad, grad`
-            x + bias: (0,),            # the bias' gradient is a sum
-            tf.nn.bias_add(x, bias): (0,),
-            x - y: (0,),               # the second gradient is negated
+            x + y: ((0, 0), (1, 0)),   # `return grad, grad`
+            x + bias: ((0, 0),),       # the bias' gradient is a sum
+            tf.nn.bias_add(x, bias): ((0, 0),),
+            x - y: ((0, 0),),          # the second gradient is negated
             x * y: (),
             unknown + x: (),           # shapes TensorFlow cannot compare: reduced
         }

@@ -290,7 +290,7 @@ def test_a_gradient_passed_on_takes_no_buffer():
     # in backprop one gradient buffer goes down the chain, in stock replays and planned ones.
     base, names = chain(10, reads="nothing")
     passing, _ = chain(10, reads="nothing",
-                       passed_grads={n: (p,) for p, n in zip(names, names[1:])})
+                       passed_grads={n: ((p, n),) for p, n in zip(names, names[1:])})
     assert timeline.predict(base).peak_bytes == 3 * B
     assert timeline.predict(passing).peak_bytes == 2 * B
     for model, expected in ((base, 3 * B), (passing, 2 * B)):

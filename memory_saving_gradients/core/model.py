@@ -127,9 +127,10 @@ class GraphModel:
         shapes, whose gradient's broadcast the rewrite moves into the ops
         that read it (tfgraph/broadcast_sinking.py); stock tf.gradients
         makes the full-size one.
-      passed_grads: op name -> its activation inputs whose gradient is its
-        output's gradient itself (BiasAdd's; an AddV2's without a reduction):
-        no buffer of their own where that gradient comes in one piece.
+      passed_grads: op name -> (activation input, activation output) pairs:
+        the input's gradient is that output's gradient itself (BiasAdd's; an
+        AddV2's without a reduction), no buffer of its own where that
+        gradient comes in one piece.
     """
     graph: nx.DiGraph
     tensors: Mapping[str, Activation]
@@ -151,7 +152,8 @@ class GraphModel:
     shared_buffers: Mapping[str, str] = dataclasses.field(default_factory=dict)
     early_workspace: Mapping[str, int] = dataclasses.field(default_factory=dict)
     small_grads: Mapping[str, int] = dataclasses.field(default_factory=dict)
-    passed_grads: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    passed_grads: Mapping[str, tuple[tuple[str, str], ...]] = dataclasses.field(
+        default_factory=dict)
 
     def op_of(self, name: str) -> str:
         """The op producing activation `name`."""

@@ -30,8 +30,8 @@ class OpRow:
       outputs: its activation outputs.
       reads: activations its gradient reads (`gradient_reads`).
       grads: (input, bytes) for each floating input its gradient makes a gradient for.
-      passed: the inputs of `grads` whose gradient is the op's output gradient
-        itself (`GraphModel.passed_grads`).
+      passed: (input, output) pairs: the input's gradient is that output's
+        gradient itself (`GraphModel.passed_grads`).
       op_type: the type of the op (of its first output).
       cost: FLOPs of running it once.
     """

@@ -327,10 +327,11 @@ class _Replay(LoopEvents):
             self.step += 1
             row = rows[op]
             source = sources.get(op)
+            # Input -> the gradient it is passed: its output's, if that came in one piece.
+            passed = {t: pending[o][0] for t, o in row.passed if len(pending.get(o, ())) == 1}
             read = [key for o in row.outputs for key in pending.pop(o, ())]
             if not read and self.ys.isdisjoint(row.outputs):
                 continue  # no gradient reaches it: tf.gradients builds none
-            passed = read[0] if row.passed and len(read) == 1 else None
             read += map(source or forward_keys.__getitem__, row.reads)
             # A chain still running meets this gradient, the next chain's too.
             self._use_all(read)
@@ -348,9 +349,9 @@ class _Replay(LoopEvents):
             small = small_grads.get(op)
             for t, size in row.grads:  # `_alloc`, inlined
                 key = ("grad", op, t)
-                if passed is not None and t in row.passed:  # the gradient that came in
+                if t in passed:
                     born[key] = (step, 0)
-                    self.alias[key] = passed
+                    self.alias[key] = passed[t]
                 else:
                     born[key] = (step, size if small is None else small)
                 last_use.setdefault(key, step)
@@ -378,7 +379,7 @@ class _Replay(LoopEvents):
             row = rows[op]
             if op not in held:
                 held[op] = self._summed(row.outputs)
-            read = held[op]
+            read = list(held[op].values())
             if part != stock_order.DATA:
                 read = read + [forward_keys[t] for t in row.reads]
             self._use_all(read)
@@ -388,13 +389,15 @@ class _Replay(LoopEvents):
                 if op in model.loops:
                     self._loop_backward(op, model.loops[op], ("fwd",))
                 # A BiasAdd passes its output gradient on as its input's: one buffer.
-                whole_type = part == stock_order.DATA and row.op_type in stock_order.PASS_THROUGH
-                passed = held[op][0] if len(held[op]) == 1 else None
+                passed = {t: held[op][o] for t, o in row.passed if o in held[op]}
+                if (part == stock_order.DATA and row.op_type in stock_order.PASS_THROUGH
+                        and len(held[op]) == 1):
+                    passed = dict.fromkeys((t for t, _ in row.grads), read[0])
                 for t, size in row.grads:
                     key = ("grad", op, t)
-                    if passed is not None and (whole_type or t in row.passed):
+                    if t in passed:
                         self._alloc(key, 0)
-                        self.alias[key] = passed
+                        self.alias[key] = passed[t]
                     else:
                         self._alloc(key, size)
                     pending.setdefault(t, []).append(key)
@@ -406,16 +409,18 @@ class _Replay(LoopEvents):
                 self.weight_keys.add(key)
 
     def _summed(self, outputs):
-        """Keys of the gradients of `outputs`, the parts of one summed first (AddN):
-        a gradient part that waits holds the sum, not the parts."""
-        keys = []
+        """Output -> the key of its gradient, for the outputs of `outputs` that get
+        one, the parts of one summed first (AddN): a gradient part that waits
+        holds the sum, not the parts."""
+        keys = {}
         for o in outputs:
             found = self.pending.pop(o, ())
             if len(found) > 1:
                 self._use_all(found)
                 self._alloc(("sum", o), self.tensors[o].bytes)
                 found = [("sum", o)]
-            keys.extend(found)
+            if found:
+                keys[o] = found[0]
         return keys
 
     def _held_since_forward(self, op, row):

@@ -43,9 +43,9 @@ class Reads:
     closing over the tensors of its call); `ungraded`: indices of the inputs
     it makes no gradient for (None); `early_bytes`: bytes of its parts that
     read only forward tensors, which run in the forward pass (early_gradients);
-    `passed`: indices of the inputs whose gradient is an output's gradient
-    itself, no buffer of its own (BiasAdd's, and an AddV2's where TensorFlow
-    knows no reduction is needed)."""
+    `passed`: (input index, output index) of each input whose gradient is
+    that output's gradient itself, no buffer of its own (BiasAdd's, and an
+    AddV2's where TensorFlow knows no reduction is needed)."""
     inputs: tuple
     outputs: tuple
     scratch_bytes: int = 0
@@ -135,8 +135,10 @@ def _probe(op, grad_fn, wanted, folds):
         results = grad_fn(copy, *seeds)
         results = results if isinstance(results, (list, tuple)) else [results]
         ungraded = tuple(i for i, r in enumerate(results) if r is None)
-        given = {id(s) for s, read in zip(seeds, _read_outputs(op)) if read and s is not None}
-        passed = tuple(i for i, r in enumerate(results) if _passes_on(r, given))
+        given = {id(s): j for j, (s, read) in enumerate(zip(seeds, _read_outputs(op)))
+                 if read and s is not None}
+        passed = tuple((i, given[id(seed)]) for i, seed in
+                       ((i, _seed_of(r, given)) for i, r in enumerate(results)) if seed is not None)
         results = [r for r, keep in zip(results, wanted) if keep]
         new_ops = _leading_to(scratch.get_operations()[first_new:], results)
         read = {id(t) for new_op in new_ops
@@ -155,15 +157,15 @@ def _probe(op, grad_fn, wanted, folds):
                  passed)
 
 
-def _passes_on(result, seeds) -> bool:
-    """Whether `result` is one of `seeds` (ids), or an alias of one (a reshape of it)."""
+def _seed_of(result, seeds):
+    """The seed (`seeds`: ids) that `result` is, or is an alias of (a reshape of it); None."""
     while isinstance(result, tf.Tensor):
         if id(result) in seeds:
-            return True
+            return result
         if result.op.type not in timeline.ALIASING_OP_TYPES or not result.op.inputs:
-            return False
+            return None
         result = result.op.inputs[0]
-    return False
+    return None
 
 
 def _value_of(folds, outer_of):

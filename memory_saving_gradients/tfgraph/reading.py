@@ -285,8 +285,9 @@ def _record_backprop(op, op_inputs, activations, regions, folds, backprop):
             backprop["early_workspace"][name] = reads.early_bytes
         backprop["ungraded"][name] = tuple(
             op.inputs[i].name for i in reads.ungraded if i < len(op.inputs))
-        passed = tuple(op.inputs[i].name for i in reads.passed
-                       if i < len(op.inputs) and op.inputs[i].name in activations)
+        passed = tuple((op.inputs[i].name, op.outputs[j].name) for i, j in reads.passed
+                       if i < len(op.inputs) and op.inputs[i].name in activations
+                       and op.outputs[j].name in activations)
         if passed:
             backprop["passed_grads"][name] = passed
     backprop["grad_reads"][name] = tuple(n for n in read if n in activations)
