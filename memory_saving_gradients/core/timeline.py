@@ -390,9 +390,6 @@ class _Replay(LoopEvents):
                     self._loop_backward(op, model.loops[op], ("fwd",))
                 # A BiasAdd passes its output gradient on as its input's: one buffer.
                 passed = {t: held[op][o] for t, o in row.passed if o in held[op]}
-                if (part == stock_order.DATA and row.op_type in stock_order.PASS_THROUGH
-                        and len(held[op]) == 1):
-                    passed = dict.fromkeys((t for t, _ in row.grads), read[0])
                 for t, size in row.grads:
                     key = ("grad", op, t)
                     if t in passed:
