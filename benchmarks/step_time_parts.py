@@ -32,7 +32,9 @@ inter-op thread), on one model and batch, each variant is a tf.function:
 * `memory, chained as before`: the same with those ops chained across layers
   even where the host's stock kernels take no scratch (as before session 24);
 * `memory, tiled means`: the same without `broadcast_sinking` (the gradients
-  of means and sums reach their input as full-size Tiles, as before session 25).
+  of means and sums reach their input as full-size Tiles, as before session 25);
+* `memory, least peak exactly`: the "memory" plan with no slack above the
+  least predicted peak (`strategies.MEMORY_SLACK` 0, as before session 28).
 
 The variants are called in turn for `rounds` rounds; medians of wall time
 and of this process's CPU time (all threads) are reported as ratios to
@@ -59,12 +61,13 @@ from benchmarks.predicted_vs_measured import loss_and_weights_bytes
 VARIANTS = ("tf.gradients", "forward", "memory", "memory, no gates", "memory, leaves unordered",
             "memory, copies wait directly", "memory, every leaf waited", "memory, as before s22",
             "memory, stock copies", "memory, scratch unchained", "memory, chained as before",
-            "memory, tiled means")
+            "memory, tiled means", "memory, least peak exactly")
 
 
 @contextlib.contextmanager
 def _switched_off(variant):
     """The variant's parts of the rewrite off while a step is traced (module docstring)."""
+    from memory_saving_gradients.core import strategies
     from memory_saving_gradients.tfgraph import broadcast_sinking
     from memory_saving_gradients.tfgraph import copying
     from memory_saving_gradients.tfgraph import gradient_order
@@ -85,6 +88,7 @@ def _switched_off(variant):
         "memory, chained as before": [(gradient_order, "workspace", types.SimpleNamespace(
             stock_kernels_take_scratch=lambda: True))],
         "memory, tiled means": [(broadcast_sinking, "sink", lambda new_ops, grads: (grads, new_ops))],
+        "memory, least peak exactly": [(strategies, "MEMORY_SLACK", 0.0)],
     }.get(variant, [])
     originals = [(module, name, getattr(module, name)) for module, name, _ in switches]
     for module, name, stand_in in switches:
