@@ -12,6 +12,7 @@ from memory_saving_gradients.api import gradients_memory
 from memory_saving_gradients.api import gradients_speed
 from memory_saving_gradients.core.budgets import Budget
 from memory_saving_gradients.core.budgets import budget
+from memory_saving_gradients.core.strategies import least_memory
 from memory_saving_gradients.measure import enable_cpu_allocator_stats
 from memory_saving_gradients.measure import function_peak_bytes
 from memory_saving_gradients.measure import session_peak_bytes
@@ -22,7 +23,7 @@ from memory_saving_gradients.integrations.patching import unpatch_tf_gradients
 __all__ = [
     "Budget", "CheckpointPlan", "budget", "checkpoint_plan", "checkpointing", "enable_cpu_allocator_stats",
     "function_peak_bytes",
-    "gradients", "gradients_collection", "gradients_memory", "gradients_speed",
+    "gradients", "gradients_collection", "gradients_memory", "gradients_speed", "least_memory",
     "patch_tf_gradients", "session_peak_bytes", "unpatch_tf_gradients",
 ]
 __version__ = "0.1.0"

@@ -39,7 +39,7 @@ def every_other_activation(model):
     return list(model.order[::2])
 
 
-STRATEGIES = ("memory", "speed", msg.budget(64 * 2**20), halfway_budget,
+STRATEGIES = ("memory", "speed", msg.least_memory, msg.budget(64 * 2**20), halfway_budget,
               every_other_activation)
 
 

@@ -218,6 +218,9 @@ def test_memory_buys_back_recompute_with_its_slack(monkeypatch):
     exact = strategies.memory(model)
     assert exact.peak_bytes == least.peak_bytes
     assert exact.recompute_flops <= least.recompute_flops
+    monkeypatch.undo()
+    public = strategies.run(model, msg.least_memory)
+    assert (public.strategy, public.chosen) == ("least_memory", exact.chosen)
 
 
 def test_memory_keeps_the_least_peak_where_its_slack_buys_little():

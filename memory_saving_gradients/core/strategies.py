@@ -129,8 +129,9 @@ def explicit(model: GraphModel, names, strategy="list") -> Result:
     return result_of(model, kept, strategy, notes)
 
 
-def memory(model: GraphModel) -> Result:
-    """The least predicted peak, or a plan at most `MEMORY_SLACK` above it
+def memory(model: GraphModel, slack: Optional[float] = None) -> Result:
+    """The least predicted peak, or a plan at most `slack` (default
+    `MEMORY_SLACK`) above it
     (and below tf.gradients' own peak) that saves a larger share of the
     recompute than it adds of peak; of those, the least recompute.
 
@@ -146,7 +147,8 @@ def memory(model: GraphModel) -> Result:
     least = least_peak(model, problem)
     if least.plan.stock:  # nothing recomputes less
         return least
-    ceiling = min(int(least.peak_bytes * (1 + MEMORY_SLACK)), least.estimate.baseline_bytes - 1)
+    slack = MEMORY_SLACK if slack is None else slack
+    ceiling = min(int(least.peak_bytes * (1 + slack)), least.estimate.baseline_bytes - 1)
     # Loops stay as the model has them (rerun in chunks): a kept loop's stacks
     # often tie at a peak set elsewhere on a small model, and 'memory' is the
     # mode that reruns loops to save their memory.
@@ -157,9 +159,18 @@ def memory(model: GraphModel) -> Result:
         return least
     cheaper = min(worth, key=lambda r: r.recompute_flops)
     return dataclasses.replace(cheaper, notes=cheaper.notes + (
-        f"least recompute within {MEMORY_SLACK:.0%} of the least predicted peak "
+        f"least recompute within {slack:.0%} of the least predicted peak "
         f"({least.peak_bytes / 2**20:.1f} MiB, {least.recompute_flops:.3g} FLOPs "
         f"recomputed there)",))
+
+
+def least_memory(model: GraphModel) -> Result:
+    """``checkpoints=least_memory``: the least predicted peak exactly, whatever
+    it costs in recompute ('memory' without its slack); among plans of that
+    peak, the least recompute."""
+    found = memory(model, slack=0.0)
+    return dataclasses.replace(found, strategy="least_memory",
+                               plan=dataclasses.replace(found.plan, strategy="least_memory"))
 
 
 def _trades_well(least: Result, other: Result) -> bool:
