@@ -39,8 +39,8 @@ def every_other_activation(model):
     return list(model.order[::2])
 
 
-STRATEGIES = ("memory", "speed", msg.least_memory, msg.budget(64 * 2**20), halfway_budget,
-              every_other_activation)
+STRATEGIES = ("memory", "speed", msg.budget(64 * 2**20), msg.memory_within(0.1),
+              halfway_budget, every_other_activation)
 
 
 def _residual_mlp(ctx, x):

@@ -1,7 +1,8 @@
 """Budgets: the plan of least recompute whose predicted peak fits a byte budget
-(the peak a BFC allocator reaches: `Budget`).
+(the peak a BFC allocator reaches: `Budget`), or a slack above the least
+predicted peak (`MemoryWithin`).
 
-No TensorFlow. `Budget` is a strategy (a callable on the GraphModel), so it is
+No TensorFlow. Both are strategies (callables on the GraphModel), so they are
 accepted wherever ``checkpoints=`` is.
 """
 
@@ -133,6 +134,60 @@ def _feasible_plans(model, problem, candidates):
             met.append(strategies.with_allocator_peak(model, result))
             least = min(least, met[-1].estimate.allocator_peak_bytes)
     return met
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryWithin:
+    """``checkpoints=memory_within(slack)``: least recompute with a predicted
+    peak at most ``1 + slack`` times the 'memory' plan's (0.1: 10% above it).
+
+    'memory' is the least predicted peak, and its last few percent are often
+    bought with much recompute (BERT, 2 layers, 'memory': 0.67 of a forward
+    pass recomputed at 25.1 MiB predicted; within 10%: 0.45 at 27.1). Peaks
+    are bytes requested, as for 'memory' (`estimate.peak_bytes`), not a BFC
+    allocator's chunks as for `Budget`; never at or above tf.gradients' own.
+    """
+    slack: float
+
+    def __post_init__(self):
+        value = self.slack
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"memory_within(slack) takes a share of the least predicted peak "
+                            f"(0.1 for 10% above it), got {type(value).__name__}: {value!r}")
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"memory_within(slack) must be a finite share of at least 0 "
+                             f"(0.1 for 10% above the least predicted peak), got {value!r}")
+
+    @property
+    def __name__(self):
+        return f"memory_within({self.slack:.0%})"
+
+    def __call__(self, model) -> strategies.Result:
+        problem = strategies.cut_problem(model)
+        least = strategies.memory(model, problem)
+        if least.plan.stock:  # nothing recomputes less
+            return dataclasses.replace(least, strategy=self.__name__)
+        ceiling = min(int(least.peak_bytes * (1 + self.slack)), least.estimate.baseline_bytes - 1)
+        found = strategies.fitting_plan(model, problem, ceiling, self.__name__)
+        if found is None or found.recompute_flops >= least.recompute_flops:
+            found, note = least, (f"no plan within {self.slack:.0%} of the least predicted "
+                                  f"peak recomputes less: the 'memory' plan")
+        else:
+            note = (f"least recompute within {self.slack:.0%} of the least predicted peak "
+                    f"({describe_bytes(least.peak_bytes)}, {least.recompute_flops:.3g} FLOPs "
+                    f"recomputed there)")
+        return dataclasses.replace(found, strategy=self.__name__, notes=found.notes + (note,))
+
+
+def memory_within(slack) -> MemoryWithin:
+    """A checkpoints strategy: least recompute within `slack` of the least
+    predicted peak ('memory' trading a little memory for step time).
+
+    Example:
+      >>> grads = memory_saving_gradients.gradients(
+      ...     loss, params, checkpoints=memory_saving_gradients.memory_within(0.1))
+    """
+    return MemoryWithin(slack)
 
 
 def budget(max_bytes) -> Budget:

@@ -4,17 +4,16 @@ A strategy is a callable ``strategy(model) -> Result`` (or returning tensor
 names, which the registry turns into a Result); it knows nothing of
 TensorFlow. `run` resolves what a user passed as ``checkpoints=``:
 
-* 'memory': the least predicted peak over cuts of a topological order
-  (the cut model's best plans, `cuts`, `solvers`, priced by the timeline),
-  or a plan at most `MEMORY_SLACK` above it that saves more of the
-  recompute than it adds of peak.
+* 'memory': the plan of least predicted peak over cuts of a topological
+  order (the cut model's best plans, `cuts`, `solvers`, priced by the
+  timeline); among plans of that predicted peak, the least recompute.
 * 'speed': the same, recomputing only cheap ops (never a matmul,
   convolution or einsum), so at most one extra forward pass of cheap ops.
   Both are tf.gradients itself (`stock`) when no plan is predicted below it.
 * a sequence of tensor names: keep exactly those ('list', 'collection').
 * any other callable: a custom strategy receiving the GraphModel and
   returning the names of the tensors to keep, or a Result
-  (`budgets.Budget` is one).
+  (`budgets.Budget` and `budgets.MemoryWithin` are such).
 """
 
 import collections.abc
@@ -45,13 +44,6 @@ CANDIDATE_PLANS = 6  # of the cut model, priced by the timeline
 MAX_PRICED = 32  # plans whose prices are remembered per model (a strategy prices about 10)
 MAX_STAIRS = 64  # plans per loop setting `staircase` walks down
 FIT_RETRIES = 4  # re-solves with a tighter cut-model budget when the prediction overshoots
-# 'memory' may keep a plan predicted at most this share above the least
-# predicted peak, where that saves a larger share of the recompute. The last
-# few percent of a least-peak plan are often bought with much recompute (BERT,
-# 2 layers: 0.67 of a forward pass at 25.1 MiB, 0.45 at 27.1), and
-# predictions are good to about 15%: plans that close are not told apart by
-# what they will measure, their step times are.
-MEMORY_SLACK = 0.10
 # 'memory' and 'speed' leave the gradient to tf.gradients when no plan is
 # predicted below its peak. False: always rewrite (to see the rewrite at work
 # on a toy graph whose plans save nothing; the test suite does, see conftest).
@@ -129,56 +121,29 @@ def explicit(model: GraphModel, names, strategy="list") -> Result:
     return result_of(model, kept, strategy, notes)
 
 
-def memory(model: GraphModel, slack: Optional[float] = None) -> Result:
-    """The least predicted peak, or a plan at most `slack` (default
-    `MEMORY_SLACK`) above it
-    (and below tf.gradients' own peak) that saves a larger share of the
-    recompute than it adds of peak; of those, the least recompute.
+def memory(model: GraphModel, problem=None) -> Result:
+    """The least predicted peak; among plans of that peak, the least recompute.
 
     The cut model's least-peak plans often recompute more than another plan
-    the timeline prices at (or a little above) the same peak, so two more are
-    searched for: the least-recompute plans fitting the least peak and the
-    slack above it.
+    the timeline prices at the same peak, so that one is searched for too.
+    `problem` is `cut_problem(model)`, built here when not given.
 
     Example: on a 100-layer tanh chain it keeps about 10 tensors, spaced so the
     recomputed segments and the kept tensors are balanced.
     """
-    problem = cut_problem(model)
+    problem = problem or cut_problem(model)
     least = least_peak(model, problem)
     if least.plan.stock:  # nothing recomputes less
         return least
-    slack = MEMORY_SLACK if slack is None else slack
-    ceiling = min(int(least.peak_bytes * (1 + slack)), least.estimate.baseline_bytes - 1)
     # Loops stay as the model has them (rerun in chunks): a kept loop's stacks
     # often tie at a peak set elsewhere on a small model, and 'memory' is the
     # mode that reruns loops to save their memory.
-    found = [_fitting(model, problem, limit, "memory", planning.LoopModes())
-             for limit in sorted({least.peak_bytes, max(ceiling, least.peak_bytes)})]
-    worth = [r for r in found if r is not None and _trades_well(least, r)]
-    if not worth:
+    cheaper = _fitting(model, problem, least.peak_bytes, "memory", planning.LoopModes())
+    if cheaper is None or cheaper.recompute_flops >= least.recompute_flops:
         return least
-    cheaper = min(worth, key=lambda r: r.recompute_flops)
     return dataclasses.replace(cheaper, notes=cheaper.notes + (
-        f"least recompute within {slack:.0%} of the least predicted peak "
-        f"({least.peak_bytes / 2**20:.1f} MiB, {least.recompute_flops:.3g} FLOPs "
-        f"recomputed there)",))
-
-
-def least_memory(model: GraphModel) -> Result:
-    """``checkpoints=least_memory``: the least predicted peak exactly, whatever
-    it costs in recompute ('memory' without its slack); among plans of that
-    peak, the least recompute."""
-    found = memory(model, slack=0.0)
-    return dataclasses.replace(found, strategy="least_memory",
-                               plan=dataclasses.replace(found.plan, strategy="least_memory"))
-
-
-def _trades_well(least: Result, other: Result) -> bool:
-    """Whether `other` saves a larger share of `least`'s recompute than it adds
-    to its peak ('memory' gives up memory only at better than one to one)."""
-    saved = (least.recompute_flops - other.recompute_flops) / max(least.recompute_flops, 1)
-    added = (other.peak_bytes - least.peak_bytes) / max(least.peak_bytes, 1)
-    return saved > max(added, 0.0)
+        f"least recompute at the least predicted peak "
+        f"({least.peak_bytes / 2**20:.1f} MiB, {least.recompute_flops:.3g} FLOPs recomputed)",))
 
 
 def least_peak(model: GraphModel, problem=None) -> Result:
