@@ -18,6 +18,13 @@ def describe_bytes(count) -> str:
     return f"{count / 2**20:.2f} MiB ({int(count)} bytes)"
 
 
+def _real(value, call, expects):
+    """`value`, a real number (not a bool); else a TypeError naming `call`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{call} takes {expects}, got {type(value).__name__}: {value!r}")
+    return value
+
+
 @dataclasses.dataclass(frozen=True)
 class Budget:
     """``checkpoints=budget(max_bytes)``: least recompute with a predicted peak <= max_bytes.
@@ -33,10 +40,7 @@ class Budget:
     max_bytes: float
 
     def __post_init__(self):
-        value = self.max_bytes
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise TypeError(f"budget(max_bytes) takes a number of bytes, got "
-                            f"{type(value).__name__}: {value!r}")
+        value = _real(self.max_bytes, "budget(max_bytes)", "a number of bytes")
         if not math.isfinite(value) or value <= 0:
             raise ValueError(f"budget(max_bytes) must be a positive, finite number of "
                              f"bytes, got {value!r}")
@@ -150,10 +154,8 @@ class MemoryWithin:
     slack: float
 
     def __post_init__(self):
-        value = self.slack
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise TypeError(f"memory_within(slack) takes a share of the least predicted peak "
-                            f"(0.1 for 10% above it), got {type(value).__name__}: {value!r}")
+        value = _real(self.slack, "memory_within(slack)",
+                      "a share of the least predicted peak (0.1 for 10% above it)")
         if not math.isfinite(value) or value < 0:
             raise ValueError(f"memory_within(slack) must be a finite share of at least 0 "
                              f"(0.1 for 10% above the least predicted peak), got {value!r}")
