@@ -5,7 +5,8 @@
 A model is a name of `MODELS` or "FAMILY:SIZE:BATCH" (`model_by_name`).
 
 For each model and threading a fresh subprocess builds the model and, for
-each method (tf.gradients, "memory", "speed") in turn, traces one training
+each method (tf.gradients, "memory", "speed"; budgetS: a budget of S times
+tf.gradients' predicted memory; withinS: memory_within(S)) in turn, traces one training
 step (forward and gradients in one tf.function, batch 8 for the image
 models), takes the prediction of `checkpoint_plan` from the same trace, and
 measures the step's allocator peak (`function_peak_bytes`: statistics reset
@@ -201,6 +202,8 @@ def _traced_step(model, inputs, labels, method, jit):
         if method.startswith("budget"):  # budget0.3: 30% of tf.gradients' predicted memory
             baseline = msg.checkpoint_plan(loss, weights, "speed").estimate.baseline_bytes
             checkpoints = found["budget"] = msg.budget(float(method[6:]) * baseline)
+        if method.startswith("within"):  # within0.1: memory_within(0.1)
+            checkpoints = msg.memory_within(float(method[6:]))
         plan = msg.checkpoint_plan(loss, weights, checkpoints)
         found["plan"] = plan
         if method == METHODS[0]:
@@ -365,8 +368,9 @@ def ratio_lines(rows):
     lines = ["| model | mode | memory, default threads | memory, 1 inter-op thread | "
              "difference | time, default | time, 1 thread | activation peak, default / 1 "
              "thread |", "|---|---|---|---|---|---|---|---|"]
+    modes = dict.fromkeys(r["method"] for r in rows if r["method"] != METHODS[0])
     for model in dict.fromkeys(r["model"] for r in rows):
-        for mode in METHODS[1:]:
+        for mode in modes:
             memory = [ratio(model, mode, t, "measured") for t in ("default", "1")]
             if None in memory:
                 continue
