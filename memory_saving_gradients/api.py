@@ -34,8 +34,8 @@ class CheckpointPlan:
     """What `gradients` would do, computed without changing the graph.
 
     Attributes:
-      mode: 'collection', 'memory', 'speed', 'list', 'budget(...)' or
-        'custom:<name>' (the strategy's name).
+      mode: 'collection', 'memory', 'speed', 'list', 'budget(...)',
+        'memory_within(...)' or 'custom:<name>' (the strategy's name).
       checkpoints: tensors the mode chose to keep.
       pinned: tensors kept because they cannot be recomputed (outputs of
         stateful or control-flow ops, their inputs, xs inside the region).
@@ -93,7 +93,8 @@ def gradients(ys, xs, grad_ys=None, checkpoints="collection", **kwargs):
         the graph collection 'checkpoints'); 'memory' (the plan of least
         predicted peak); 'speed' (least peak recomputing only cheap ops);
         `budget(max_bytes)` (least recompute within a predicted activation
-        peak); or a callable receiving the GraphModel and returning the
+        peak); `memory_within(slack)` (least recompute within a share above
+        'memory''s predicted peak); or a callable receiving the GraphModel and returning the
         names of the tensors to keep (a custom strategy).
       **kwargs: `name`, `gate_gradients`, `aggregation_method`,
         `stop_gradients`, `unconnected_gradients`, `colocate_gradients_with_ops`,

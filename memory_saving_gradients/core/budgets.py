@@ -14,6 +14,9 @@ from memory_saving_gradients.core import op_table
 from memory_saving_gradients.core import strategies
 
 
+SLACK_STEPS = 4  # memory_within's searches: under its slack, a half, a quarter, an eighth
+
+
 def describe_bytes(count) -> str:
     return f"{count / 2**20:.2f} MiB ({int(count)} bytes)"
 
@@ -149,7 +152,8 @@ class MemoryWithin:
     bought with much recompute (BERT, 2 layers, 'memory': 0.67 of a forward
     pass recomputed at 25.1 MiB predicted; within 10%: 0.45 at 27.1). Peaks
     are bytes requested, as for 'memory' (`estimate.peak_bytes`), not a BFC
-    allocator's chunks as for `Budget`; never at or above tf.gradients' own.
+    allocator's chunks as for `Budget`, and below tf.gradients' own; where
+    'memory' is tf.gradients itself, so is this.
     """
     slack: float
 
@@ -159,26 +163,41 @@ class MemoryWithin:
         if not math.isfinite(value) or value < 0:
             raise ValueError(f"memory_within(slack) must be a finite share of at least 0 "
                              f"(0.1 for 10% above the least predicted peak), got {value!r}")
+        object.__setattr__(self, "slack", float(value))
 
     @property
     def __name__(self):
-        return f"memory_within({self.slack:.0%})"
+        return f"memory_within({self.slack:g})"
 
     def __call__(self, model) -> strategies.Result:
+        """The plan. Searched under `SLACK_STEPS` ceilings, `slack` and halves of
+        it: one search stops after a few overshoots of the timeline over the
+        cut model, and can miss a plan that a lower ceiling finds."""
         problem = strategies.cut_problem(model)
         least = strategies.memory(model, problem)
         if least.plan.stock:  # nothing recomputes less
             return dataclasses.replace(least, strategy=self.__name__)
-        ceiling = min(int(least.peak_bytes * (1 + self.slack)), least.estimate.baseline_bytes - 1)
-        found = strategies.fitting_plan(model, problem, ceiling, self.__name__)
-        if found is None or found.recompute_flops >= least.recompute_flops:
-            found, note = least, (f"no plan within {self.slack:.0%} of the least predicted "
-                                  f"peak recomputes less: the 'memory' plan")
-        else:
-            note = (f"least recompute within {self.slack:.0%} of the least predicted peak "
-                    f"({describe_bytes(least.peak_bytes)}, {least.recompute_flops:.3g} FLOPs "
-                    f"recomputed there)")
-        return dataclasses.replace(found, strategy=self.__name__, notes=found.notes + (note,))
+        found = [strategies.fitting_plan(model, problem, ceiling, self.__name__)
+                 for ceiling in self._ceilings(least)]
+        cheaper = [r for r in found if r is not None and r.recompute_flops < least.recompute_flops]
+        share = f"{100 * self.slack:.3g}%"
+        if not cheaper:
+            return dataclasses.replace(least, strategy=self.__name__, notes=least.notes + (
+                f"no plan found within {share} of the least predicted peak recomputes "
+                f"less: the 'memory' plan",))
+        best = min(cheaper, key=lambda r: (r.recompute_flops, r.peak_bytes))
+        return dataclasses.replace(best, strategy=self.__name__, notes=best.notes + (
+            f"least recompute found within {share} of the least predicted peak "
+            f"({describe_bytes(least.peak_bytes)}, {least.recompute_flops:.3g} FLOPs "
+            f"recomputed there)",))
+
+    def _ceilings(self, least):
+        """Peaks searched under: `slack`, `slack` / 2, ... above `least`'s, each
+        below tf.gradients' own peak (and not below `least`'s)."""
+        top = least.estimate.baseline_bytes - 1
+        shares = [self.slack / 2**k for k in range(SLACK_STEPS)]
+        return sorted({max(least.peak_bytes, int(min(least.peak_bytes * (1 + s), top)))
+                       for s in shares})
 
 
 def memory_within(slack) -> MemoryWithin:

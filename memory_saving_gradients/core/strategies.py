@@ -322,7 +322,7 @@ def validate(checkpoints) -> str:
         if checkpoints not in MODES:
             raise ValueError(f"unknown checkpoints mode {checkpoints!r}: use one of "
                              f"{', '.join(map(repr, MODES))}, a list of tensors, "
-                             f"budget(max_bytes) or a callable strategy")
+                             f"budget(max_bytes), memory_within(slack) or a callable strategy")
         return checkpoints
     return "custom" if callable(checkpoints) else "list"
 

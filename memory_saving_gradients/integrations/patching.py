@@ -114,8 +114,8 @@ def patch_tf_gradients(checkpoints="memory") -> None:
     GradientTape.gradient inside tf.function checkpoint with `checkpoints`.
 
     `checkpoints` is any value `gradients` accepts ('memory', 'speed',
-    'collection', a list of tensors, `budget(max_bytes)` or a callable
-    strategy). Undo with `unpatch_tf_gradients()` in the same thread. Called
+    'collection', a list of tensors, `budget(max_bytes)`,
+    `memory_within(slack)` or a callable strategy). Undo with `unpatch_tf_gradients()` in the same thread. Called
     in the main thread it holds for every thread; called in another thread,
     for that thread only.
     """
