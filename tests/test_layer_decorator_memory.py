@@ -37,7 +37,8 @@ class RecomputedWideBlock(WideBlock):
         return super().call(x)
 
 
-def _activation_bytes(block, num_blocks=6, width=256, batch=512):
+def _activation_bytes(block, num_blocks=6, width=256, batch=512, calls=5):
+    """The median over `calls` steps of the allocator peak less the weight gradients."""
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((width,))]
                              + [block(width) for _ in range(num_blocks)])
@@ -49,14 +50,28 @@ def _activation_bytes(block, num_blocks=6, width=256, batch=512):
             loss = tf.reduce_sum(model(x))
         return tape.gradient(loss, model.trainable_weights)
     step(x)  # trace and warm up
-    peak, grads = msg.function_peak_bytes(step, x)
-    return peak - sum(int(np.prod(g.shape)) * 4 for g in grads)
+    found = []
+    for _ in range(calls):
+        peak, grads = msg.function_peak_bytes(step, x)
+        found.append(peak - sum(int(np.prod(g.shape)) * 4 for g in grads))
+    return int(np.median(found))
 
 
-def test_decorated_stack_uses_less_activation_memory():
+def _stock_and_ours():
     stock = _activation_bytes(WideBlock)
     with msg.checkpointing():
         ours = _activation_bytes(RecomputedWideBlock)
+    return stock, ours
+
+
+def test_decorated_stack_uses_less_activation_memory():
+    """Measured in a fresh process (design.md section 4): in one that had run
+    the suite's first 340 tests, ours once measured 4.2 MB against a usual
+    1.8-3.3 MB per call (BFC's chunks), 0.60 of stock."""
+    result = subprocess.run([sys.executable, os.path.abspath(__file__)], check=True,
+                            capture_output=True, text=True, timeout=600,
+                            cwd=os.path.dirname(os.path.abspath(__file__)))
+    stock, ours = json.loads(result.stdout.strip().splitlines()[-1])
     # Stock keeps ~4 block-sized tensors per block; ours one per block plus one
     # block's recomputation.
     assert ours < 0.5 * stock, (ours, stock)
@@ -93,3 +108,7 @@ def test_saving_holds_with_one_inter_op_thread(tmp_path):
     single = _decorator_activation_ratio(tmp_path, {"TF_NUM_INTEROP_THREADS": "1"})
     assert single < 0.5, single
     assert abs(default - single) <= 0.1, (default, single)
+
+
+if __name__ == "__main__":
+    print(json.dumps(_stock_and_ours()))
