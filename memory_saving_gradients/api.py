@@ -94,8 +94,8 @@ def gradients(ys, xs, grad_ys=None, checkpoints="collection", **kwargs):
         predicted peak); 'speed' (least peak recomputing only cheap ops);
         `budget(max_bytes)` (least recompute within a predicted activation
         peak); `memory_within(slack)` (least recompute within a share above
-        'memory''s predicted peak); or a callable receiving the GraphModel and returning the
-        names of the tensors to keep (a custom strategy).
+        'memory''s predicted peak); or a callable receiving the GraphModel
+        and returning the names of the tensors to keep (a custom strategy).
       **kwargs: `name`, `gate_gradients`, `aggregation_method`,
         `stop_gradients`, `unconnected_gradients`, `colocate_gradients_with_ops`,
         passed on to `tf.gradients`.

@@ -1,5 +1,6 @@
 """`memory_within(slack)`: the least recompute within a slack above the least
-predicted peak ('memory'). No TensorFlow graphs."""
+predicted peak ('memory'). Core models, and one Keras encoder traced in a
+tf.function whose gradients are compared with tf.gradients'."""
 
 import pytest
 

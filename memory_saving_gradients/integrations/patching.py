@@ -115,9 +115,9 @@ def patch_tf_gradients(checkpoints="memory") -> None:
 
     `checkpoints` is any value `gradients` accepts ('memory', 'speed',
     'collection', a list of tensors, `budget(max_bytes)`,
-    `memory_within(slack)` or a callable strategy). Undo with `unpatch_tf_gradients()` in the same thread. Called
-    in the main thread it holds for every thread; called in another thread,
-    for that thread only.
+    `memory_within(slack)` or a callable strategy). Undo with
+    `unpatch_tf_gradients()` in the same thread. Called in the main thread it
+    holds for every thread; called in another thread, for that thread only.
     """
     api.validate_checkpoints(checkpoints)
     tape.install(active_checkpoints)
