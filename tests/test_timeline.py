@@ -296,3 +296,71 @@ def test_a_gradient_passed_on_takes_no_buffer():
     for model, expected in ((base, 3 * B), (passing, 2 * B)):
         plan = planning.make_plan(model, {names[4]}, "list")
         assert timeline.step_peaks(model, plan)[1] == expected
+
+
+def _forwarding_chain(n, reads, forward=True, grads=True):
+    """`chain` whose ops write their output over their input where it dies there
+    (`forwarding`), and whose gradients write theirs over the incoming gradient or
+    the op's output (`forwarded_grads`, ReluGrad's candidates)."""
+    _, names = chain(n, reads)
+    forwarding = {b: ((b, (a,)),) for a, b in zip(names, names[1:])} if forward else {}
+    forwarded = ({b: ((a, (("grad", b), ("value", b))),) for a, b in zip(names, names[1:])}
+                 if grads else {})
+    return chain(n, reads, forwarding=forwarding, forwarded_grads=forwarded)
+
+
+def test_element_wise_gradients_write_over_the_gradient_they_read_last():
+    # ReLU-like (the gradient reads the output): every output is kept, so nothing
+    # is forwarded in the forward pass; in backprop each input gradient takes the
+    # incoming gradient's buffer: one gradient in flight, not two.
+    model, names = _forwarding_chain(10, reads="output")
+    assert timeline.predict(chain(10, reads="output")[0]).peak_bytes == 12 * B
+    assert timeline.predict(model).peak_bytes == 11 * B
+    plan = planning.make_plan(model, {names[3], names[6]}, "list")
+    unforwarded = planning.make_plan(chain(10, reads="output")[0], {names[3], names[6]}, "list")
+    assert (timeline.predict(model, plan).peak_bytes
+            == timeline.predict(chain(10, reads="output")[0], unforwarded).peak_bytes - B)
+
+
+def test_forward_ops_write_over_an_input_no_one_reads_later():
+    # BiasAdd-like (the gradient reads nothing): each output takes its input's
+    # buffer, so the forward pass holds one buffer (the y's, kept to the end);
+    # backprop one gradient besides it.
+    model, names = _forwarding_chain(10, reads="nothing")
+    assert timeline.step_peaks(model)[1] == 2 * B
+    forward_only, _ = _forwarding_chain(10, reads="nothing", grads=False)
+    assert timeline.step_peaks(forward_only)[1] == 3 * B  # two gradients in flight
+
+
+def test_an_input_read_later_is_not_written_over():
+    # Square-like (the gradient reads the input): each input is read again in
+    # backprop, so no forward op may take it; only the gradients forward.
+    model, _ = _forwarding_chain(10, reads="input", grads=False)
+    assert timeline.predict(model).peak_bytes == timeline.predict(
+        chain(10, reads="input")[0]).peak_bytes
+
+
+def test_a_buffer_is_taken_once_per_step_and_only_at_its_size():
+    # m = f(a, b), y = g(m): both of m's input gradients may write over m's
+    # incoming gradient (as Mul's two products may over `dy`); one of them does.
+    names = ["a", "b", "m", "y"]
+    graph = nx.DiGraph([("a", "m"), ("b", "m"), ("m", "y")])
+    tensors = {n: Activation(name=n, op=n, op_type="Op", bytes=B, cost=1, recomputable=True,
+                             is_float=True) for n in names}
+    candidates = (("grad", "m"),)
+    model = GraphModel(graph=graph, tensors=tensors, order=tuple(names), pinned=frozenset(),
+                       ys=("y",), op_outputs={n: (n,) for n in names}, num_region_ops=4,
+                       grad_reads={"a": (), "b": (), "m": ("a", "b"), "y": ()},
+                       forwarded_grads={"m": (("a", candidates), ("b", candidates))})
+
+    def unforwarded(m):
+        return dataclasses.replace(m, forwarded_grads={})
+
+    assert timeline.predict(unforwarded(model)).peak_bytes - timeline.predict(
+        model).peak_bytes == B
+    # a's gradient is twice the incoming gradient's size: it cannot take that buffer.
+    larger = dataclasses.replace(
+        model, tensors={**tensors, "a": dataclasses.replace(tensors["a"], bytes=2 * B)},
+        forwarded_grads={"m": (("a", candidates),)})
+    assert timeline.predict(larger).peak_bytes == timeline.predict(
+        unforwarded(larger)).peak_bytes

@@ -131,6 +131,19 @@ class GraphModel:
         the input's gradient is that output's gradient itself (BiasAdd's; an
         AddV2's without a reduction), no buffer of its own where that
         gradient comes in one piece.
+      forwarding: op name -> (output, activation inputs) pairs: the output
+        may take one of those inputs' buffers, tried in that order, where the
+        op is the input's last reader (an element-wise kernel's
+        `forward_input_or_allocate_output`; dtype and shape match).
+      forwarded_grads: op name -> (activation input, candidates) pairs: the
+        kernel making that input's gradient is element-wise and may write it
+        over a candidate it reads last; each candidate is ("grad", output),
+        that output's incoming gradient, or ("value", activation), a forward
+        tensor the gradient reads (ReluGrad over its `dy` or its `y`).
+      workspace_forwards: op name -> (candidate, bytes) pairs, candidates as
+        in `forwarded_grads`: its gradient's `workspace` is that much less
+        where the candidate's buffer dies with the gradient (an intermediate
+        is written over it: SquaredDifference's `x - y` over `x`).
     """
     graph: nx.DiGraph
     tensors: Mapping[str, Activation]
@@ -154,6 +167,12 @@ class GraphModel:
     small_grads: Mapping[str, int] = dataclasses.field(default_factory=dict)
     passed_grads: Mapping[str, tuple[tuple[str, str], ...]] = dataclasses.field(
         default_factory=dict)
+    forwarding: Mapping[str, tuple[tuple[str, tuple[str, ...]], ...]] = dataclasses.field(
+        default_factory=dict)
+    forwarded_grads: Mapping[str, tuple[tuple[str, tuple[tuple[str, str], ...]], ...]] = (
+        dataclasses.field(default_factory=dict))
+    workspace_forwards: Mapping[str, tuple[tuple[tuple[str, str], int], ...]] = (
+        dataclasses.field(default_factory=dict))
 
     def op_of(self, name: str) -> str:
         """The op producing activation `name`."""

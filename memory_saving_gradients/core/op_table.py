@@ -34,6 +34,11 @@ class OpRow:
         gradient itself (`GraphModel.passed_grads`).
       op_type: the type of the op (of its first output).
       cost: FLOPs of running it once.
+      forwards: output -> inputs whose buffer it may take (`GraphModel.forwarding`).
+      grad_forwards: input -> candidates whose buffer its gradient may take
+        (`GraphModel.forwarded_grads`).
+      scratch_forwards: (candidate, bytes) the gradient's scratch shrinks by
+        where the candidate dies with it (`GraphModel.workspace_forwards`).
     """
     inputs: tuple
     outputs: tuple
@@ -42,6 +47,9 @@ class OpRow:
     op_type: str
     cost: int
     passed: tuple = ()
+    forwards: dict = dataclasses.field(default_factory=dict)
+    grad_forwards: dict = dataclasses.field(default_factory=dict)
+    scratch_forwards: tuple = ()
 
 
 def per_model(model: GraphModel, what: str, build):
@@ -79,5 +87,8 @@ def _build_rows(model):
             inputs=inputs, outputs=tuple(outputs), reads=tuple(reads),
             grads=tuple((t, tensors[t].bytes) for t in inputs
                         if tensors[t].is_float and t not in ungraded),
-            op_type=first.op_type, cost=first.cost, passed=tuple(model.passed_grads.get(op, ())))
+            op_type=first.op_type, cost=first.cost, passed=tuple(model.passed_grads.get(op, ())),
+            forwards=dict(model.forwarding.get(op, ())),
+            grad_forwards=dict(model.forwarded_grads.get(op, ())),
+            scratch_forwards=tuple(model.workspace_forwards.get(op, ())))
     return table

@@ -44,6 +44,10 @@ from memory_saving_gradients.core.planning import Plan
 ALIASING_OP_TYPES = frozenset({"Reshape", "Identity", "ExpandDims", "Squeeze",
                                "StopGradient", "PreventGradient"})
 
+# Buffers a kernel may write its result over: those the replay allocates for
+# tensors and gradients (a loop's buffers and weight gradients are not).
+_FORWARDABLE_KINDS = frozenset({"fwd", "copy", "grad", "sum"})
+
 # Keep a forward tensor alive until the end of the step (ys, gradients that
 # nothing consumes): a step number later than any real one.
 _END = float("inf")
@@ -224,6 +228,8 @@ class _Replay(LoopEvents):
         self.pending = {}   # tensor name -> keys of gradient parts waiting for its op
         self.alias = {}     # buffer key -> the key whose buffer it shares
         self.weight_keys = set()  # buffer keys of the weight gradients
+        self.forwards = []  # (step, key, candidate keys): `_take_forwarded_buffers`
+        self.scratch_forwards = []  # (step, `transient` index, [(candidate key, bytes)])
         self.recompute_flops = 0
         self.largest_level_bytes = 0
 
@@ -242,6 +248,7 @@ class _Replay(LoopEvents):
             self._backward(tail, {})
         for number in reversed(range(len(levels))):
             self._level(number, levels[number], kept_roots)
+        self._take_forwarded_buffers()
         return self._peak() - self._weight_grad_bytes()
 
     def _forward_pass(self):
@@ -251,6 +258,7 @@ class _Replay(LoopEvents):
         done = op_table.per_model(self.model, "forward_pass", _forward_pass_of)
         self.born, self.last_use = dict(done.born), dict(done.last_use)
         self.alias, self.transient = dict(done.alias), list(done.transient)
+        self.forwards = list(done.forwards)
         for number, op in enumerate(op_order(self.model), start=1):
             if op in self.model.loops:
                 self.step = number  # the step the loop ran at
@@ -276,6 +284,8 @@ class _Replay(LoopEvents):
             self._alloc(where + (o,), 0 if aliased else self.tensors[o].bytes)
             if aliased:
                 self.alias[where + (o,)] = aliased
+            elif o in row.forwards:
+                self.forwards.append((self.step, where + (o,), [source(t) for t in row.forwards[o]]))
             if o in self.ys:
                 self._use(where + (o,))
                 self.last_use[where + (o,)] = _END  # returned or differentiated last
@@ -327,8 +337,10 @@ class _Replay(LoopEvents):
             self.step += 1
             row = rows[op]
             source = sources.get(op)
-            # Input -> the gradient it is passed: its output's, if that came in one piece.
-            passed = {t: pending[o][0] for t, o in row.passed if len(pending.get(o, ())) == 1}
+            # Output -> its gradient, if that came in one piece (then passed on, or
+            # written over, as one buffer).
+            whole = {o: pending[o][0] for o in row.outputs if len(pending.get(o, ())) == 1}
+            passed = {t: whole[o] for t, o in row.passed if o in whole}
             read = [key for o in row.outputs for key in pending.pop(o, ())]
             if not read and self.ys.isdisjoint(row.outputs):
                 continue  # no gradient reaches it: tf.gradients builds none
@@ -342,7 +354,7 @@ class _Replay(LoopEvents):
             if source is None:  # an original: its forward-only parts ran with it
                 source = _original
                 self._held_since_forward(op, row)
-            self._scratch(self.workspace.get(op, 0))
+            self._gradient_scratch(op, row, whole, source)
             if op in model.loops:
                 self._loop_backward(op, model.loops[op], source(row.outputs[0])[:-1])
             step = self.step
@@ -354,6 +366,8 @@ class _Replay(LoopEvents):
                     self.alias[key] = passed[t]
                 else:
                     born[key] = (step, size if small is None else small)
+                    if t in row.grad_forwards and small is None:
+                        self._may_forward(key, row.grad_forwards[t], whole, source)
                 last_use.setdefault(key, step)
                 pending.setdefault(t, []).append(key)
             weights = model.weight_grad_bytes.get(op, 0)
@@ -385,7 +399,7 @@ class _Replay(LoopEvents):
             self._use_all(read)
             if part != stock_order.WEIGHTS:
                 self._held_since_forward(op, row)
-                self._scratch(self.workspace.get(op, 0))
+                self._gradient_scratch(op, row, held[op], _original)
                 if op in model.loops:
                     self._loop_backward(op, model.loops[op], ("fwd",))
                 # A BiasAdd passes its output gradient on as its input's: one buffer.
@@ -397,6 +411,8 @@ class _Replay(LoopEvents):
                         self.alias[key] = passed[t]
                     else:
                         self._alloc(key, size)
+                        if t in row.grad_forwards:
+                            self._may_forward(key, row.grad_forwards[t], held[op], _original)
                     pending.setdefault(t, []).append(key)
             weights = model.weight_grad_bytes.get(op, 0)
             if weights and part != stock_order.DATA:
@@ -415,10 +431,82 @@ class _Replay(LoopEvents):
             if len(found) > 1:
                 self._use_all(found)
                 self._alloc(("sum", o), self.tensors[o].bytes)
+                self.forwards.append((self.step, ("sum", o), list(found)))  # AddN forwards
                 found = [("sum", o)]
             if found:
                 keys[o] = found[0]
         return keys
+
+    def _may_forward(self, key, candidates, grads, source):
+        """Records that the gradient `key` may be written over one of `candidates`
+        (`OpRow.grad_forwards`): an output's incoming gradient (`grads`: output
+        -> its key, where it came in one piece) or a tensor `source` names."""
+        keys = [grads.get(name) if kind == "grad" else source(name) for kind, name in candidates]
+        self.forwards.append((self.step, key, [k for k in keys if k is not None]))
+
+    def _gradient_scratch(self, op, row, grads, source):
+        """The scratch of `op`'s gradient in this step, recorded as shrinking
+        where a candidate of `row.scratch_forwards` dies here (`grads` and
+        `source` name the candidates, as in `_may_forward`)."""
+        size = self.workspace.get(op, 0)
+        self._scratch(size)
+        if size and row.scratch_forwards:
+            options = [(grads.get(name) if kind == "grad" else source(name), saved)
+                       for (kind, name), saved in row.scratch_forwards]
+            self.scratch_forwards.append((self.step, len(self.transient) - 1,
+                                          [o for o in options if o[0] is not None]))
+
+    def _take_forwarded_buffers(self):
+        """Lets each result recorded in `forwards` take a buffer it may write
+        over, then each scratch in `scratch_forwards` shrink.
+
+        TensorFlow's element-wise kernels write their result over an input of
+        the same shape and dtype when nothing else holds that input's buffer
+        (`forward_input_or_allocate_output`): when no later op reads it. That
+        is known once the replay is done, so it is applied here, in step
+        order: a result takes the first candidate whose buffer is last read
+        in its step, has its size and no other result of the step took; the
+        result then allocates nothing and the buffer lives as long as it. A
+        gradient's scratch then shrinks by the most one candidate left dying
+        in its step saves.
+        """
+        born, last_use, alias = self.born, self.last_use, self.alias
+        taken = {}  # step -> roots written over in it
+        for step, key, candidates in self.forwards:  # recorded in step order
+            root = self._dying_root(candidates, step, born[key][1], taken)
+            if root is not None:
+                alias[key] = root
+                born[key] = (born[key][0], 0)
+                end = last_use[key]
+                last_use[root] = end if end == _END else max(end, step)
+        for step, index, options in self.scratch_forwards:
+            for candidate, saved in sorted(options, key=lambda option: -option[1]):
+                if self._dying_root([candidate], step, None, taken) is not None:
+                    self.transient[index] = (step, max(self.transient[index][1] - saved, 0))
+                    break
+
+    def _dying_root(self, candidates, step, size, taken):
+        """The buffer of the first of `candidates` last read in `step`, of
+        `size` bytes (None: any), not yet in `taken[step]` (then added); or None."""
+        for candidate in candidates:
+            root = candidate
+            while root in self.alias:
+                root = self.alias[root]
+            if (root in taken.get(step, ()) or self.last_use.get(root) != step
+                    or (size is not None and self.born[root][1] != size)
+                    or not self._forwardable(root)):
+                continue
+            taken.setdefault(step, set()).add(root)
+            return root
+        return None
+
+    def _forwardable(self, key):
+        """Whether `key` is a buffer of a tensor or gradient the step allocates
+        (not a loop's, whose outputs TensorFlow may hold elsewhere)."""
+        if key[0] not in _FORWARDABLE_KINDS:
+            return False
+        tensor = self.tensors.get(key[-1])
+        return key[0] in ("grad", "sum") or tensor is None or tensor.op not in self.model.loops
 
     def _held_since_forward(self, op, row):
         """The op's early gradient parts (`model.early_workspace`): alive from its

@@ -45,7 +45,15 @@ class Reads:
     read only forward tensors, which run in the forward pass (early_gradients);
     `passed`: (input index, output index) of each input whose gradient is
     that output's gradient itself, no buffer of its own (BiasAdd's, and an
-    AddV2's where TensorFlow knows no reduction is needed)."""
+    AddV2's where TensorFlow knows no reduction is needed); `forwards`:
+    (input index, candidates) for each input whose gradient an element-wise
+    kernel makes, which may write it over a candidate it reads last:
+    ("grad", output index), that output's gradient, or ("input", index) /
+    ("output", index), a forward tensor (`_forward_candidates`);
+    `scratch_forwards`: (stand-in, bytes) pairs, the stand-ins named as in
+    `forwards`: the scratch is that much less where the stand-in's buffer dies
+    with the gradient, as an intermediate is written over it
+    (`_scratch_forwards`)."""
     inputs: tuple
     outputs: tuple
     scratch_bytes: int = 0
@@ -53,6 +61,8 @@ class Reads:
     ungraded: tuple = ()
     early_bytes: int = 0
     passed: tuple = ()
+    forwards: tuple = ()
+    scratch_forwards: tuple = ()
 
 
 def gradient_reads(op: tf.Operation, wanted: tuple = None, folds: bool = None) -> Reads:
@@ -139,10 +149,19 @@ def _probe(op, grad_fn, wanted, folds):
                  if read and s is not None}
         passed = tuple((i, given[id(seed)]) for i, seed in
                        ((i, _seed_of(r, given)) for i, r in enumerate(results)) if seed is not None)
+        stands_for = {id(t): ("input", k) for k, t in enumerate(inputs)}
+        stands_for.update((id(t), ("output", k)) for k, t in enumerate(copy.outputs))
+        stands_for.update((i, ("grad", j)) for i, j in given.items())
+        forwards = tuple((i, found) for i, found in
+                         ((i, _forward_candidates(r, stands_for)) for i, r in enumerate(results))
+                         if found and i not in dict(passed))
         results = [r for r, keep in zip(results, wanted) if keep]
         new_ops = _leading_to(scratch.get_operations()[first_new:], results)
         read = {id(t) for new_op in new_ops
                 if new_op.type not in _SHAPE_ONLY_OP_TYPES for t in new_op.inputs}
+        result_ids = {id(r) for r in results if r is not None}
+        scratch_bytes = _intermediate_peak(new_ops, result_ids)
+        scratch_forwards = _scratch_forwards(new_ops, result_ids, stands_for, scratch_bytes)
     pairs = compat.captured_pairs(scratch) if custom else ()
     captured = [outer for outer, inner in pairs if id(inner) in read]
     outer_of = {id(inner): outer for outer, inner in pairs}
@@ -150,11 +169,11 @@ def _probe(op, grad_fn, wanted, folds):
                        or any(c is op.inputs[i] for c in captured)),
                  tuple(i for i, t in enumerate(copy.outputs) if id(t) in read
                        or any(c is op.outputs[i] for c in captured)),
-                 _intermediate_peak(new_ops, {id(r) for r in results if r is not None}),
+                 scratch_bytes,
                  tuple(c.name for c in captured
                        if not any(c is t for t in list(op.inputs) + list(op.outputs))),
                  ungraded, early_gradients.early_bytes(new_ops, seeds, _value_of(folds, outer_of)),
-                 passed)
+                 passed, forwards, scratch_forwards)
 
 
 def _seed_of(result, seeds):
@@ -166,6 +185,39 @@ def _seed_of(result, seeds):
             return None
         result = result.op.inputs[0]
     return None
+
+
+def _forward_candidates(result, stands_for):
+    """What the kernel making `result` (through reshapes) may write it over,
+    among the probe's stand-ins (`stands_for`: id -> ("grad" | "input" |
+    "output", index)), in the order the kernel tries them; () if none."""
+    while isinstance(result, tf.Tensor) and result.op.type in timeline.ALIASING_OP_TYPES:
+        result = result.op.inputs[0] if result.op.inputs else None
+    if not isinstance(result, tf.Tensor):
+        return ()
+    return tuple(stands_for[id(t)] for out, inputs in op_kinds.forwardable_inputs(result.op)
+                 if out is result for t in inputs if id(t) in stands_for)
+
+
+def _scratch_forwards(ops, results, stands_for, scratch):
+    """(stand-in, bytes saved) for each stand-in (`stands_for`) that an
+    intermediate of `ops` (not a result) may be written over: `scratch` less
+    the intermediate peak where that stand-in's buffer is the ops' to write
+    over (SquaredDifference's gradient writes `x - y` over a recomputed `x`
+    that dies there, which the probe, holding its stand-ins elsewhere, counts
+    as a buffer of its own)."""
+    found, seen = [], set()
+    for op in ops:
+        for out, inputs in op_kinds.forwardable_inputs(op):
+            if id(out) in results:
+                continue
+            for t in inputs:
+                if id(t) in stands_for and id(t) not in seen:
+                    seen.add(id(t))
+                    saved = scratch - _intermediate_peak(ops, results, writable=t)
+                    if saved > 0:
+                        found.append((stands_for[id(t)], saved))
+    return tuple(found)
 
 
 def _value_of(folds, outer_of):
@@ -185,7 +237,7 @@ def _leading_to(ops, results):
     return [op for op in ops if op in needed]
 
 
-def _intermediate_peak(ops, results):
+def _intermediate_peak(ops, results, writable=None):
     """Peak bytes `ops` (in creation order) hold beyond the results they make.
 
     The timeline allocates the results beside this scratch, so a buffer that
@@ -194,13 +246,15 @@ def _intermediate_peak(ops, results):
     is taken over intermediates and results alike, less the results' bytes.
     Each buffer lives from its op to the last reader among `ops` of the
     tensors sharing it; shapes are static (the stand-ins have the op's
-    shapes); unknown dims count as 1.
+    shapes); unknown dims count as 1. `writable`: a stand-in whose buffer the
+    ops may write over after their last read of it (counted elsewhere: what
+    is written there costs nothing here).
     """
     last_reader = {}
     for step, op in enumerate(ops):
         for t in op.inputs:
             last_reader[id(t)] = step
-    buffers = _buffers(ops, last_reader)
+    buffers = _buffers(ops, last_reader, writable)
     starts, frees, result_bytes = {}, {}, 0
     for start, size, tensors in buffers:
         starts[start] = starts.get(start, 0) + size
@@ -217,11 +271,15 @@ def _intermediate_peak(ops, results):
     return max(peak - result_bytes, 0)
 
 
-def _buffers(ops, last_reader):
+def _buffers(ops, last_reader, writable=None):
     """(first step, bytes, ids of the tensors sharing it) of each buffer `ops`
     allocate: an aliasing op's output shares its input's buffer, and so does
-    an element-wise op's whose same-sized intermediate input dies there."""
+    an element-wise op's whose same-sized intermediate input (or `writable`)
+    dies there; `writable`'s buffer is listed first, at no bytes."""
     buffer_of, buffers = {}, []
+    if writable is not None:
+        buffers.append((-1, 0, {id(writable)}))
+        buffer_of[id(writable)] = 0
     for step, op in enumerate(ops):
         shared = None
         if op.type in timeline.ALIASING_OP_TYPES and op.inputs and id(op.inputs[0]) in buffer_of:
@@ -243,20 +301,13 @@ def _buffers(ops, last_reader):
 
 
 def _forwarded_input(op, made, last_reader, step):
-    """The input whose buffer `op` writes its output into, or None: one it
-    reads last (TensorFlow's element-wise kernels forward such an input when
-    its shape and dtype match the output's)."""
-    if op.type not in op_kinds.FORWARDING_OP_TYPES or len(op.outputs) != 1:
+    """The input whose buffer `op` writes its (one) output into, or None: a
+    forwardable one (`op_kinds.forwardable_inputs`) made among the ops and
+    read last by `op`."""
+    if len(op.outputs) != 1:
         return None
-    return next((t for t in op.inputs
-                 if _forwardable(t, op.outputs[0], made, last_reader, step)), None)
-
-
-def _forwardable(tensor, out, made, last_reader, step):
-    """An intermediate that dies at `step` and has `out`'s dtype and shape."""
-    return (id(tensor) in made and last_reader.get(id(tensor)) == step
-            and tensor.dtype == out.dtype and tensor.shape.is_fully_defined()
-            and tensor.shape == out.shape)
+    return next((t for _, inputs in op_kinds.forwardable_inputs(op) for t in inputs
+                 if id(t) in made and last_reader.get(id(t)) == step), None)
 
 
 def _zeros(tensor):

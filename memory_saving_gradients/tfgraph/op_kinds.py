@@ -35,14 +35,52 @@ DATA_SOURCE_OP_TYPES = frozenset({
 
 OPAQUE_DTYPES = frozenset({tf.resource, tf.variant, tf.string})  # a set: asked per tensor
 
-# Element-wise ops whose kernels write into an input's buffer when that input
-# has no other reader and the same shape and dtype as the output.
+# Ops whose CPU kernels write their one output into an input's buffer when
+# that input has no other reader and the output's shape and dtype
+# (`forward_input_or_allocate_output`): element-wise ops, their gradients,
+# BiasAdd, AddN, softmaxes. tests/test_forwarding.py measures each.
 FORWARDING_OP_TYPES = frozenset({
-    "Neg", "Exp", "Log", "Square", "Sqrt", "Rsqrt", "Reciprocal", "Tanh", "Sigmoid",
-    "Erf", "Erfc", "Abs", "Sign", "Mul", "Add", "AddV2", "Sub", "RealDiv", "Div",
-    "Maximum", "Minimum", "SquaredDifference", "SelectV2", "TanhGrad", "SigmoidGrad",
-    "ReluGrad", "Relu6Grad", "EluGrad", "SeluGrad", "SoftplusGrad", "RsqrtGrad",
-    "SqrtGrad", "ReciprocalGrad"})
+    "Relu", "Relu6", "Elu", "Selu", "LeakyRelu", "Softplus", "Softsign", "Tanh", "Sigmoid",
+    "Softmax", "LogSoftmax", "Neg", "Exp", "Expm1", "Log", "Log1p", "Square", "Sqrt",
+    "Rsqrt", "Reciprocal", "Inv", "Erf", "Erfc", "Abs", "Sign", "Floor", "Ceil", "Round",
+    "Sin", "Cos", "ClipByValue", "BiasAdd", "AddN",
+    "Add", "AddV2", "Sub", "Mul", "MulNoNan", "RealDiv", "Div", "DivNoNan", "FloorDiv",
+    "Maximum", "Minimum", "SquaredDifference", "Pow", "Xdivy", "Xlogy", "Select", "SelectV2",
+    "ReluGrad", "Relu6Grad", "EluGrad", "SeluGrad", "LeakyReluGrad", "SoftplusGrad",
+    "SoftsignGrad", "TanhGrad", "SigmoidGrad", "RsqrtGrad", "SqrtGrad", "ReciprocalGrad"})
+
+
+# Op type -> (output, inputs it may be written over) of kernels with several
+# outputs: the cross entropies write their backprop over the logits.
+_FORWARDING_OUTPUTS = {"SoftmaxCrossEntropyWithLogits": ((1, (0,)),),
+                       "SparseSoftmaxCrossEntropyWithLogits": ((1, (0,)),)}
+
+
+def forwardable_inputs(op: tf.Operation) -> list:
+    """(output, inputs) of each output of `op` whose kernel may write it over
+    one of those inputs, in the order the kernel tries them: the one output of
+    an op of FORWARDING_OP_TYPES over any input, an output of
+    `_FORWARDING_OUTPUTS` over the inputs listed; inputs of the output's
+    dtype and static shape that the op reads once (an input read twice, as
+    in `x * x`, is held twice and never forwarded)."""
+    if op.type in FORWARDING_OP_TYPES and len(op.outputs) == 1:
+        pairs = ((0, range(len(op.inputs))),)
+    else:
+        pairs = _FORWARDING_OUTPUTS.get(op.type, ())
+    inputs = list(op.inputs)
+    found = []
+    for index, candidates in pairs:
+        out = op.outputs[index]
+        if not out.shape.is_fully_defined():
+            continue
+        fitting = [inputs[i] for i in candidates
+                   if sum(inputs[i] is other for other in inputs) == 1
+                   and inputs[i].dtype == out.dtype and inputs[i].shape.is_fully_defined()
+                   and inputs[i].shape == out.shape]
+        if fitting:
+            found.append((out, fitting))
+    return found
+
 
 _CONTRACTION_OP_TYPES = ("MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3")
 

@@ -189,7 +189,8 @@ def build_model(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor]) -> Reading:
     backprop = {"grad_reads": {}, "workspace": {}, "weight_grad_bytes": {},
                 "stock_workspace": {}, "run_workspace": {}, "recompute_workspace": {},
                 "trailing_workspace": {}, "ungraded": {}, "shared_buffers": {},
-                "early_workspace": {}, "small_grads": {}, "passed_grads": {}}
+                "early_workspace": {}, "small_grads": {}, "passed_grads": {},
+                "forwarding": {}, "forwarded_grads": {}, "workspace_forwards": {}}
     for op in units:
         name = op.name
         op_inputs[name] = tuple(i.name for i in inputs[op])
@@ -209,6 +210,11 @@ def build_model(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor]) -> Reading:
                 else op_kinds.op_cost(op))
         op_outputs[name] = tuple(n for n in outs if n in activations)
         backprop["shared_buffers"].update(_passed_through(op, activations))
+        forwarded = tuple((out.name, names) for out, names in (
+            (out, tuple(t.name for t in inputs if t.name in activations))
+            for out, inputs in op_kinds.forwardable_inputs(op)) if names and out.name in activations)
+        if forwarded:
+            backprop["forwarding"][name] = forwarded
         act_inputs = [n for n in op_inputs[name] if n in activations]
         for n in op_outputs[name]:
             o = outs[n]
@@ -245,6 +251,25 @@ def _passed_through(op, activations) -> dict:
         return {}
     return {o.name: i.name for i, o in zip(op.inputs, op.outputs)
             if o.name in activations and i.name in activations}
+
+
+def _named_stand_in(op, kind, index, activations):
+    """A probe's stand-in (`gradient_reads.Reads.forwards`) as the model names
+    it: ("grad", output) or ("value", activation); None if not an activation's."""
+    tensors = op.outputs if kind in ("grad", "output") else op.inputs
+    name = tensors[index].name if index < len(tensors) else None
+    return (("grad" if kind == "grad" else "value"), name) if name in activations else None
+
+
+def _forwarded_grads(op, forwards, activations):
+    """`GraphModel.forwarded_grads` of `op`, from its probe's `Reads.forwards`."""
+    found = []
+    for i, candidates in forwards:
+        names = tuple(c for c in (_named_stand_in(op, *c, activations) for c in candidates)
+                      if c is not None)
+        if i < len(op.inputs) and op.inputs[i].name in activations and names:
+            found.append((op.inputs[i].name, names))
+    return tuple(found)
 
 
 def _names_read(op, reads):
@@ -290,6 +315,14 @@ def _record_backprop(op, op_inputs, activations, regions, folds, backprop):
                        and op.outputs[j].name in activations)
         if passed:
             backprop["passed_grads"][name] = passed
+        forwarded = _forwarded_grads(op, reads.forwards, activations)
+        if forwarded:
+            backprop["forwarded_grads"][name] = forwarded
+        saving = tuple((candidate, saved) for candidate, saved in (
+            (_named_stand_in(op, *stand_in, activations), saved)
+            for stand_in, saved in reads.scratch_forwards) if candidate is not None)
+        if saving:
+            backprop["workspace_forwards"][name] = saving
     backprop["grad_reads"][name] = tuple(n for n in read if n in activations)
     if broadcast_sinking.keeps_small(
             op, lambda reader: any(o.name in differentiated for o in reader.outputs)):

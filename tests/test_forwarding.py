@@ -1,0 +1,172 @@
+"""Kernels writing their output over an input they read last, measured and predicted.
+
+TensorFlow's element-wise CPU kernels take an input's buffer for their
+output when nothing else holds it (`forward_input_or_allocate_output`).
+`op_kinds.FORWARDING_OP_TYPES` lists the op types the timeline lets do so;
+each is measured here: in a tf.function, an op of that type reads a 1 MiB
+intermediate `a` (and a second one, `c`, kept to the end), and the step's
+allocator peak is 2 MiB when the output takes `a`'s buffer, 3 MiB when it
+gets one of its own (as `tf.roll`'s does, the control). Control edges make
+`c` exist while the op runs and be read after it, whatever the threading.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from memory_saving_gradients import measure
+from memory_saving_gradients.tfgraph import op_kinds
+from memory_saving_gradients.tfgraph import profiled_allocations
+from memory_saving_gradients.tfgraph import reading
+
+MIB = 2 ** 20
+SHAPE = (256, 1024)  # float32: 1 MiB
+
+# Op type -> its call on (a, c), two [256, 1024] float32 tensors; others
+# are called as unary ops on `a` or binary ones on (a, c).
+_CALLS = {
+    "BiasAdd": lambda a, c: tf.raw_ops.BiasAdd(value=a, bias=c[0]),
+    "AddN": lambda a, c: tf.raw_ops.AddN(inputs=[a, c]),
+    "Select": lambda a, c: tf.raw_ops.Select(condition=c > 0, x=a, y=c),
+    "SelectV2": lambda a, c: tf.raw_ops.SelectV2(condition=c > 0, t=a, e=c),
+    "ClipByValue": lambda a, c: tf.raw_ops.ClipByValue(
+        t=a, clip_value_min=-1.0, clip_value_max=1.0),
+    "Roll": lambda a, c: tf.roll(a, 1, 0),  # the control: a buffer of its own
+    # Outputs of `op_kinds._FORWARDING_OUTPUTS`: the backprop over the logits.
+    "SoftmaxCrossEntropyWithLogits": lambda a, c: tf.raw_ops.SoftmaxCrossEntropyWithLogits(
+        features=a, labels=c)[1],
+    "SparseSoftmaxCrossEntropyWithLogits":
+        lambda a, c: tf.raw_ops.SparseSoftmaxCrossEntropyWithLogits(
+            features=a, labels=tf.zeros(SHAPE[:1], tf.int32))[1],
+}
+_ARGUMENT_NAMES = (("x",), ("features",), ("logits",), ("x", "y"), ("gradients", "features"),
+                   ("gradients", "outputs"), ("y", "dy"))
+
+
+def _call(op_type, a, c):
+    if op_type in _CALLS:
+        return _CALLS[op_type](a, c)
+    kernel = getattr(tf.raw_ops, op_type)
+    for names in _ARGUMENT_NAMES:
+        try:
+            return kernel(**dict(zip(names, (a, c))))
+        except TypeError:  # not this op's argument names
+            continue
+    raise TypeError(f"no call for {op_type}")
+
+
+def _peak_mib(op_type):
+    first = tf.Variable(tf.random.normal(SHAPE, seed=1))
+    second = tf.Variable(tf.random.normal(SHAPE, seed=2))
+
+    @tf.function
+    def step():
+        a = tf.roll(first, 1, 0)  # intermediates: rolled, not folded by Grappler
+        c = tf.roll(second, 1, 0)
+        with tf.control_dependencies([c]):  # c exists while the op runs, and after
+            out = _call(op_type, a, c)
+        with tf.control_dependencies([out]):
+            return tf.reduce_sum(out) + tf.reduce_sum(c)
+
+    step()
+    peak, _ = measure.function_peak_bytes(step)
+    return peak / MIB
+
+
+@pytest.mark.parametrize("op_type", sorted(op_kinds.FORWARDING_OP_TYPES
+                                           | set(op_kinds._FORWARDING_OUTPUTS)))
+def test_listed_kernels_write_over_an_input_they_read_last(op_type):
+    assert _peak_mib(op_type) == pytest.approx(2.0, abs=0.3)
+
+
+def test_a_kernel_that_does_not_forward_takes_a_buffer_of_its_own():
+    assert _peak_mib("Roll") == pytest.approx(3.0, abs=0.3)
+
+
+def test_the_reading_records_forwardable_inputs_and_gradients():
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [4, 8])
+        w = tf.Variable(tf.ones([8]))
+        h = x * w
+        r = tf.nn.relu(h)
+        s = r * r  # reads r twice: held twice, never forwarded
+        t = tf.tanh(s)
+        y = tf.reduce_sum(t)
+        model = reading.build_model([y], [w.handle]).model
+    assert model.forwarding[r.op.name] == ((r.name, (h.name,)),)
+    assert s.op.name not in model.forwarding
+    assert model.forwarding[t.op.name] == ((t.name, (s.name,)),)
+    # ReluGrad(dy, y) may write over the incoming gradient or the ReLU's output;
+    # TanhGrad(y, dy) over the tanh's output or its incoming gradient.
+    assert model.forwarded_grads[r.op.name] == (
+        (h.name, (("grad", r.name), ("value", r.name))),)
+    assert model.forwarded_grads[t.op.name] == (
+        (s.name, (("value", t.name), ("grad", t.name))),)
+
+
+def test_unknown_shapes_are_not_forwarded():
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, 8])
+        assert op_kinds.forwardable_inputs(tf.nn.relu(x * 2.0).op) == []
+        fixed = tf.compat.v1.placeholder(tf.float32, [4, 8])
+        bias = tf.compat.v1.placeholder(tf.float32, [8])
+        added = tf.nn.bias_add(fixed, bias).op
+        assert _names(op_kinds.forwardable_inputs(added)) == [(added.outputs[0].name, [fixed.name])]
+        assert op_kinds.forwardable_inputs(tf.matmul(fixed, fixed, transpose_b=True).op) == []
+        labels = tf.compat.v1.placeholder(tf.int32, [4])
+        xent = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=fixed).op
+        assert _names(op_kinds.forwardable_inputs(xent)) == [(xent.outputs[1].name, [fixed.name])]
+
+
+def _names(pairs):
+    return [(out.name, [t.name for t in inputs]) for out, inputs in pairs]
+
+
+def _chain_step(plan):
+    """A chain `h = tanh(relu(h) + sigmoid(h))` of 1 MiB tensors in a
+    tf.function, its gradients by `plan`; returns (predicted, measured) bytes
+    of its activations (measured: the peak of the bytes requested, profiled,
+    minus the weight gradient; the allocator's own peak counts BFC's chunks,
+    which here varied by a buffer from one process to the next)."""
+    import memory_saving_gradients as msg
+
+    w = tf.Variable(tf.ones(SHAPE[1:]))
+    x = tf.constant(np.random.default_rng(0).normal(size=SHAPE).astype(np.float32))
+
+    def loss(x):
+        h = x * w
+        for _ in range(8):
+            h = tf.tanh(tf.nn.relu(h) + tf.sigmoid(h))
+        return tf.reduce_sum(tf.square(tf.reduce_sum(h, axis=1)))
+
+    @tf.function
+    def step(x):
+        y = loss(x)
+        return msg.gradients(y, [w], checkpoints=plan) if plan else tf.gradients(y, [w])
+
+    holder = {}
+
+    @tf.function
+    def predict(x):
+        holder["plan"] = msg.checkpoint_plan(loss(x), [w], checkpoints=plan or "memory")
+        return tf.constant(0.0)
+
+    predict.get_concrete_function(tf.TensorSpec(SHAPE, tf.float32))
+    estimate = holder["plan"].estimate
+    predicted = estimate.peak_bytes if plan else estimate.baseline_bytes
+    step(x)
+    held = []  # the results, alive until the trace stops: returned, not activations
+    events = profiled_allocations.allocator_events(lambda: held.append(step(x)))
+    return predicted, profiled_allocations.requested_peak(events) - w.numpy().nbytes
+
+
+@pytest.mark.parametrize("plan", [None, "memory"])
+def test_chain_of_forwarding_kernels_is_predicted_within_a_buffer(plan):
+    # Bytes requested, measured: 24 MiB (stock) and 8 ('memory'). Predicted 25
+    # and 9: the timeline still holds one gradient more at its peak (not found
+    # yet; docs/planner.md, session 29). Before forwarding was modelled each
+    # peak held one buffer more again (26 and 10 on this chain).
+    predicted, measured = _chain_step(plan)
+    assert 0 <= predicted - measured <= 1.25 * MIB, (predicted / MIB, measured / MIB)
