@@ -229,6 +229,7 @@ class _Replay(LoopEvents):
         self.alias = {}     # buffer key -> the key whose buffer it shares
         self.weight_keys = set()  # buffer keys of the weight gradients
         self.forwards = []  # (step, key, candidate keys): `_take_forwarded_buffers`
+        self.trailing_keys = frozenset()  # reads of a gradient part still running beside
         self.scratch_forwards = []  # (step, `transient` index, [(candidate key, bytes)])
         self.recompute_flops = 0
         self.largest_level_bytes = 0
@@ -285,10 +286,14 @@ class _Replay(LoopEvents):
             if aliased:
                 self.alias[where + (o,)] = aliased
             elif o in row.forwards:
-                self.forwards.append((self.step, where + (o,), [source(t) for t in row.forwards[o]]))
-            if o in self.ys:
-                self._use(where + (o,))
-                self.last_use[where + (o,)] = _END  # returned or differentiated last
+                read = [source(t) for t in row.inputs]
+                self.forwards.append((self.step, where + (o,), self._held_once(
+                    [source(t) for t in row.forwards[o]], read)))
+            if o in self.ys:  # returned or differentiated last, with any buffer it shares
+                key = where + (o,)
+                while key is not None:
+                    self.last_use[key] = _END
+                    key = self.alias.get(key)
         if op in self.model.loops and where != ("fwd",):  # originals: `_forward_pass`
             self._loop_forward(op, self.model.loops[op], where)
 
@@ -349,6 +354,7 @@ class _Replay(LoopEvents):
             self._use_all(read)
             self._use_all(trailing[0])
             self._scratch(trailing[1])
+            self.trailing_keys = frozenset(trailing[0])  # not written over while read
             if self.planned and not leaves_ordered and op in model.trailing_workspace:
                 trailing = (read, model.trailing_workspace[op])
             if source is None:  # an original: its forward-only parts ran with it
@@ -431,7 +437,7 @@ class _Replay(LoopEvents):
             if len(found) > 1:
                 self._use_all(found)
                 self._alloc(("sum", o), self.tensors[o].bytes)
-                self.forwards.append((self.step, ("sum", o), list(found)))  # AddN forwards
+                self.forwards.append((self.step, ("sum", o), self._held_once(found, found)))
                 found = [("sum", o)]
             if found:
                 keys[o] = found[0]
@@ -442,7 +448,8 @@ class _Replay(LoopEvents):
         (`OpRow.grad_forwards`): an output's incoming gradient (`grads`: output
         -> its key, where it came in one piece) or a tensor `source` names."""
         keys = [grads.get(name) if kind == "grad" else source(name) for kind, name in candidates]
-        self.forwards.append((self.step, key, [k for k in keys if k is not None]))
+        keys = [k for k in keys if k is not None and k not in self.trailing_keys]
+        self.forwards.append((self.step, key, self._held_once(keys, keys)))
 
     def _gradient_scratch(self, op, row, grads, source):
         """The scratch of `op`'s gradient in this step, recorded as shrinking
@@ -453,8 +460,21 @@ class _Replay(LoopEvents):
         if size and row.scratch_forwards:
             options = [(grads.get(name) if kind == "grad" else source(name), saved)
                        for (kind, name), saved in row.scratch_forwards]
-            self.scratch_forwards.append((self.step, len(self.transient) - 1,
-                                          [o for o in options if o[0] is not None]))
+            options = [o for o in options if o[0] is not None and o[0] not in self.trailing_keys]
+            self.scratch_forwards.append((self.step, len(self.transient) - 1, options))
+
+    def _held_once(self, candidates, read):
+        """The `candidates` whose buffer no other key of `read` (what the
+        kernel reads) shares: a buffer read twice (`x + reshape(x)`) is held
+        twice, and TensorFlow never writes over it."""
+        roots = [self._root(k) for k in read]
+        return [k for k in candidates if roots.count(self._root(k)) <= 1]
+
+    def _root(self, key):
+        """The key whose buffer `key` is (through aliases known so far)."""
+        while key in self.alias:
+            key = self.alias[key]
+        return key
 
     def _take_forwarded_buffers(self):
         """Lets each result recorded in `forwards` take a buffer it may write
@@ -489,9 +509,7 @@ class _Replay(LoopEvents):
         """The buffer of the first of `candidates` last read in `step`, of
         `size` bytes (None: any), not yet in `taken[step]` (then added); or None."""
         for candidate in candidates:
-            root = candidate
-            while root in self.alias:
-                root = self.alias[root]
+            root = self._root(candidate)
             if (root in taken.get(step, ()) or self.last_use.get(root) != step
                     or (size is not None and self.born[root][1] != size)
                     or not self._forwardable(root)):

@@ -152,11 +152,12 @@ def _probe(op, grad_fn, wanted, folds):
         stands_for = {id(t): ("input", k) for k, t in enumerate(inputs)}
         stands_for.update((id(t), ("output", k)) for k, t in enumerate(copy.outputs))
         stands_for.update((i, ("grad", j)) for i, j in given.items())
-        forwards = tuple((i, found) for i, found in
-                         ((i, _forward_candidates(r, stands_for)) for i, r in enumerate(results))
-                         if found and i not in dict(passed))
+        all_results = results
         results = [r for r, keep in zip(results, wanted) if keep]
         new_ops = _leading_to(scratch.get_operations()[first_new:], results)
+        forwards = tuple((i, found) for i, found in (
+            (i, _forward_candidates(r, stands_for, new_ops)) for i, r in enumerate(all_results)
+            if i < len(wanted) and wanted[i] and i not in dict(passed)) if found)
         read = {id(t) for new_op in new_ops
                 if new_op.type not in _SHAPE_ONLY_OP_TYPES for t in new_op.inputs}
         result_ids = {id(r) for r in results if r is not None}
@@ -187,16 +188,34 @@ def _seed_of(result, seeds):
     return None
 
 
-def _forward_candidates(result, stands_for):
+def _forward_candidates(result, stands_for, ops):
     """What the kernel making `result` (through reshapes) may write it over,
     among the probe's stand-ins (`stands_for`: id -> ("grad" | "input" |
-    "output", index)), in the order the kernel tries them; () if none."""
+    "output", index)), in the order the kernel tries them; () if none.
+
+    Only stand-ins the kernel surely reads last (every other reader among
+    `ops`, the gradient's ops, runs before it): stock tf.gradients leaves
+    `dy * s` and `dy * a` unordered, and the first to run finds `dy` held.
+    None where it may take an intermediate it reads last instead: the probe
+    counts that intermediate as the result (`_intermediate_peak`)."""
     while isinstance(result, tf.Tensor) and result.op.type in timeline.ALIASING_OP_TYPES:
         result = result.op.inputs[0] if result.op.inputs else None
-    if not isinstance(result, tf.Tensor):
+    if not isinstance(result, tf.Tensor) or result.op not in ops:
         return ()
-    return tuple(stands_for[id(t)] for out, inputs in op_kinds.forwardable_inputs(result.op)
-                 if out is result for t in inputs if id(t) in stands_for)
+    kernel = result.op
+    before = gradient_waits.ancestors_among(ops, kernel.inputs)
+    candidates = [t for out, inputs in op_kinds.forwardable_inputs(kernel) if out is result
+                  for t in inputs if _read_last_by(kernel, t, ops, before)]
+    if any(id(t) not in stands_for for t in candidates):
+        return ()
+    return tuple(stands_for[id(t)] for t in candidates)
+
+
+def _read_last_by(kernel, tensor, ops, before):
+    """Whether every reader of `tensor` among `ops` but `kernel` is in
+    `before` (ops `kernel` waits for), so `kernel` reads it last."""
+    return all(reader is kernel or reader in before
+               for reader in tensor.consumers() if reader in ops)
 
 
 def _scratch_forwards(ops, results, stands_for, scratch):
@@ -212,11 +231,15 @@ def _scratch_forwards(ops, results, stands_for, scratch):
             if id(out) in results:
                 continue
             for t in inputs:
-                if id(t) in stands_for and id(t) not in seen:
-                    seen.add(id(t))
-                    saved = scratch - _intermediate_peak(ops, results, writable=t)
-                    if saved > 0:
-                        found.append((stands_for[id(t)], saved))
+                if id(t) not in stands_for or id(t) in seen:
+                    continue
+                seen.add(id(t))
+                # Only where `op` surely reads it last (as `_forward_candidates`).
+                if not _read_last_by(op, t, ops, gradient_waits.ancestors_among(ops, op.inputs)):
+                    continue
+                saved = scratch - _intermediate_peak(ops, results, writable=t)
+                if saved > 0:
+                    found.append((stands_for[id(t)], saved))
     return tuple(found)
 
 
