@@ -364,3 +364,37 @@ def test_a_buffer_is_taken_once_per_step_and_only_at_its_size():
         forwarded_grads={"m": (("a", candidates),)})
     assert timeline.predict(larger).peak_bytes == timeline.predict(
         unforwarded(larger)).peak_bytes
+
+
+def _reshaped_pair_model(**fields):
+    """a -> r (a Reshape: a's buffer) ; m = f(a, r) ; y = g(m). Nothing read by gradients."""
+    names = ["a", "r", "m", "y"]
+    graph = nx.DiGraph([("a", "r"), ("a", "m"), ("r", "m"), ("m", "y")])
+    tensors = {n: Activation(name=n, op=n, op_type="Reshape" if n == "r" else "Op", bytes=B,
+                             cost=1, recomputable=True, is_float=True) for n in names}
+    return GraphModel(graph=graph, tensors=tensors, order=tuple(names), pinned=frozenset(),
+                      ys=("y",), op_outputs={n: (n,) for n in names}, num_region_ops=4,
+                      grad_reads={n: () for n in names}, **fields)
+
+
+def test_a_buffer_read_twice_through_an_alias_is_not_written_over():
+    # m reads a's buffer twice (as `a + reshape(a)`): held twice, TensorFlow
+    # gives m a buffer of its own; the same m reading a once (through r only)
+    # would take it.
+    twice = _reshaped_pair_model(forwarding={"m": (("m", ("a", "r")),)})
+    plain = _reshaped_pair_model()
+    assert timeline.step_peaks(twice)[1] == timeline.step_peaks(plain)[1]
+    replay = timeline._Replay(twice, stock=True)  # pylint: disable=protected-access
+    replay.run(())
+    assert ("fwd", "m") not in replay.alias
+
+
+def test_the_buffer_a_y_shares_lives_to_the_end():
+    # y is a Reshape of its input: that input's buffer is returned with it.
+    model, names = chain(4, reads="nothing")
+    model = dataclasses.replace(model, tensors={
+        **model.tensors, names[-1]: dataclasses.replace(model.tensors[names[-1]],
+                                                        op_type="Reshape")})
+    replay = timeline._Replay(model, stock=True)  # pylint: disable=protected-access
+    replay.run(())
+    assert replay.last_use[("fwd", names[-2])] == float("inf")
