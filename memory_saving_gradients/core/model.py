@@ -144,6 +144,9 @@ class GraphModel:
         in `forwarded_grads`: its gradient's `workspace` is that much less
         where the candidate's buffer dies with the gradient (an intermediate
         is written over it: SquaredDifference's `x - y` over `x`).
+      stock_forwarded_grads, stock_workspace_forwards: op name -> the same
+        for stock tf.gradients where they differ (the rewrite orders a
+        broadcast product's two gradient products, stock does not).
     """
     graph: nx.DiGraph
     tensors: Mapping[str, Activation]
@@ -173,6 +176,8 @@ class GraphModel:
         dataclasses.field(default_factory=dict))
     workspace_forwards: Mapping[str, tuple[tuple[tuple[str, str], int], ...]] = (
         dataclasses.field(default_factory=dict))
+    stock_forwarded_grads: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
+    stock_workspace_forwards: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
 
     def op_of(self, name: str) -> str:
         """The op producing activation `name`."""

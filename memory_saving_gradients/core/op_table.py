@@ -39,6 +39,8 @@ class OpRow:
         (`GraphModel.forwarded_grads`).
       scratch_forwards: (candidate, bytes) the gradient's scratch shrinks by
         where the candidate dies with it (`GraphModel.workspace_forwards`).
+      stock_grad_forwards, stock_scratch_forwards: the same for stock
+        tf.gradients (the model's `stock_` fields where they differ).
     """
     inputs: tuple
     outputs: tuple
@@ -50,6 +52,8 @@ class OpRow:
     forwards: dict = dataclasses.field(default_factory=dict)
     grad_forwards: dict = dataclasses.field(default_factory=dict)
     scratch_forwards: tuple = ()
+    stock_grad_forwards: dict = dataclasses.field(default_factory=dict)
+    stock_scratch_forwards: tuple = ()
 
 
 def per_model(model: GraphModel, what: str, build):
@@ -90,5 +94,9 @@ def _build_rows(model):
             op_type=first.op_type, cost=first.cost, passed=tuple(model.passed_grads.get(op, ())),
             forwards=dict(model.forwarding.get(op, ())),
             grad_forwards=dict(model.forwarded_grads.get(op, ())),
-            scratch_forwards=tuple(model.workspace_forwards.get(op, ())))
+            scratch_forwards=tuple(model.workspace_forwards.get(op, ())),
+            stock_grad_forwards=dict(model.stock_forwarded_grads.get(
+                op, model.forwarded_grads.get(op, ()))),
+            stock_scratch_forwards=tuple(model.stock_workspace_forwards.get(
+                op, model.workspace_forwards.get(op, ()))))
     return table

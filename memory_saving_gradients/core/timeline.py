@@ -372,8 +372,9 @@ class _Replay(LoopEvents):
                     self.alias[key] = passed[t]
                 else:
                     born[key] = (step, size if small is None else small)
-                    if t in row.grad_forwards and small is None:
-                        self._may_forward(key, row.grad_forwards[t], whole, source)
+                    forwards = row.grad_forwards if self.planned else row.stock_grad_forwards
+                    if t in forwards and small is None:
+                        self._may_forward(key, forwards[t], whole, source)
                 last_use.setdefault(key, step)
                 pending.setdefault(t, []).append(key)
             weights = model.weight_grad_bytes.get(op, 0)
@@ -417,8 +418,9 @@ class _Replay(LoopEvents):
                         self.alias[key] = passed[t]
                     else:
                         self._alloc(key, size)
-                        if t in row.grad_forwards:
-                            self._may_forward(key, row.grad_forwards[t], held[op], _original)
+                        if t in row.stock_grad_forwards:
+                            self._may_forward(key, row.stock_grad_forwards[t], held[op],
+                                              _original)
                     pending.setdefault(t, []).append(key)
             weights = model.weight_grad_bytes.get(op, 0)
             if weights and part != stock_order.DATA:
@@ -457,9 +459,10 @@ class _Replay(LoopEvents):
         `source` name the candidates, as in `_may_forward`)."""
         size = self.workspace.get(op, 0)
         self._scratch(size)
-        if size and row.scratch_forwards:
+        savings = row.scratch_forwards if self.planned else row.stock_scratch_forwards
+        if size and savings:
             options = [(grads.get(name) if kind == "grad" else source(name), saved)
-                       for (kind, name), saved in row.scratch_forwards]
+                       for (kind, name), saved in savings]
             options = [o for o in options if o[0] is not None and o[0] not in self.trailing_keys]
             self.scratch_forwards.append((self.step, len(self.transient) - 1, options))
 

@@ -24,6 +24,7 @@ from memory_saving_gradients.tfgraph import compat
 from memory_saving_gradients.tfgraph import early_gradients
 from memory_saving_gradients.tfgraph import gradient_waits
 from memory_saving_gradients.tfgraph import op_kinds
+from memory_saving_gradients.tfgraph import product_order
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +54,9 @@ class Reads:
     `scratch_forwards`: (stand-in, bytes) pairs, the stand-ins named as in
     `forwards`: the scratch is that much less where the stand-in's buffer dies
     with the gradient, as an intermediate is written over it
-    (`_scratch_forwards`)."""
+    (`_scratch_forwards`). Both as the rewrite orders the gradient's ops
+    (`product_order`); `stock_forwards` and `stock_scratch_forwards` as
+    stock tf.gradients leaves them, where that differs (else None)."""
     inputs: tuple
     outputs: tuple
     scratch_bytes: int = 0
@@ -63,6 +66,8 @@ class Reads:
     passed: tuple = ()
     forwards: tuple = ()
     scratch_forwards: tuple = ()
+    stock_forwards: tuple = None
+    stock_scratch_forwards: tuple = None
 
 
 def gradient_reads(op: tf.Operation, wanted: tuple = None, folds: bool = None) -> Reads:
@@ -155,14 +160,21 @@ def _probe(op, grad_fn, wanted, folds):
         all_results = results
         results = [r for r, keep in zip(results, wanted) if keep]
         new_ops = _leading_to(scratch.get_operations()[first_new:], results)
-        forwards = tuple((i, found) for i, found in (
-            (i, _forward_candidates(r, stands_for, new_ops)) for i, r in enumerate(all_results)
-            if i < len(wanted) and wanted[i] and i not in dict(passed)) if found)
         read = {id(t) for new_op in new_ops
                 if new_op.type not in _SHAPE_ONLY_OP_TYPES for t in new_op.inputs}
         result_ids = {id(r) for r in results if r is not None}
         scratch_bytes = _intermediate_peak(new_ops, result_ids)
-        scratch_forwards = _scratch_forwards(new_ops, result_ids, stands_for, scratch_bytes)
+
+        def forwarding():
+            return (tuple((i, found) for i, found in (
+                (i, _forward_candidates(r, stands_for, new_ops))
+                for i, r in enumerate(all_results)
+                if i < len(wanted) and wanted[i] and i not in dict(passed)) if found),
+                _scratch_forwards(new_ops, result_ids, stands_for, scratch_bytes))
+        stock = forwarding()
+        # The rewrite makes a broadcast product's sibling wait for its sum:
+        # the sibling then reads the incoming gradient last.
+        ordered = forwarding() if product_order.sums_first(new_ops, results) else stock
     pairs = compat.captured_pairs(scratch) if custom else ()
     captured = [outer for outer, inner in pairs if id(inner) in read]
     outer_of = {id(inner): outer for outer, inner in pairs}
@@ -174,7 +186,7 @@ def _probe(op, grad_fn, wanted, folds):
                  tuple(c.name for c in captured
                        if not any(c is t for t in list(op.inputs) + list(op.outputs))),
                  ungraded, early_gradients.early_bytes(new_ops, seeds, _value_of(folds, outer_of)),
-                 passed, forwards, scratch_forwards)
+                 passed, *ordered, *(None if stock == ordered else part for part in stock))
 
 
 def _seed_of(result, seeds):

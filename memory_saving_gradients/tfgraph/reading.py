@@ -190,7 +190,8 @@ def build_model(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor]) -> Reading:
                 "stock_workspace": {}, "run_workspace": {}, "recompute_workspace": {},
                 "trailing_workspace": {}, "ungraded": {}, "shared_buffers": {},
                 "early_workspace": {}, "small_grads": {}, "passed_grads": {},
-                "forwarding": {}, "forwarded_grads": {}, "workspace_forwards": {}}
+                "forwarding": {}, "forwarded_grads": {}, "workspace_forwards": {},
+                "stock_forwarded_grads": {}, "stock_workspace_forwards": {}}
     for op in units:
         name = op.name
         op_inputs[name] = tuple(i.name for i in inputs[op])
@@ -261,6 +262,31 @@ def _named_stand_in(op, kind, index, activations):
     return (("grad" if kind == "grad" else "value"), name) if name in activations else None
 
 
+def _record_forwarding(op, reads, activations, backprop):
+    """The buffers `op`'s gradient may write over (`GraphModel.forwarded_grads`,
+    `workspace_forwards`, and their stock forms where they differ)."""
+    stock = {"forwarded_grads": reads.stock_forwards,
+             "workspace_forwards": reads.stock_scratch_forwards}
+    for field, found in (("forwarded_grads", reads.forwards),
+                         ("workspace_forwards", reads.scratch_forwards)):
+        for prefix, value in (("", found), ("stock_", stock[field])):
+            if value is None:
+                continue
+            named = (_forwarded_grads(op, value, activations) if field == "forwarded_grads"
+                     else _named_savings(op, value, activations))
+            if named:
+                backprop[prefix + field][op.name] = named
+            elif prefix:
+                backprop[prefix + field][op.name] = ()  # none under stock
+
+
+def _named_savings(op, savings, activations):
+    """`GraphModel.workspace_forwards` of `op`, from its probe's `scratch_forwards`."""
+    return tuple((candidate, saved) for candidate, saved in (
+        (_named_stand_in(op, *stand_in, activations), saved) for stand_in, saved in savings)
+        if candidate is not None)
+
+
 def _forwarded_grads(op, forwards, activations):
     """`GraphModel.forwarded_grads` of `op`, from its probe's `Reads.forwards`."""
     found = []
@@ -315,14 +341,7 @@ def _record_backprop(op, op_inputs, activations, regions, folds, backprop):
                        and op.outputs[j].name in activations)
         if passed:
             backprop["passed_grads"][name] = passed
-        forwarded = _forwarded_grads(op, reads.forwards, activations)
-        if forwarded:
-            backprop["forwarded_grads"][name] = forwarded
-        saving = tuple((candidate, saved) for candidate, saved in (
-            (_named_stand_in(op, *stand_in, activations), saved)
-            for stand_in, saved in reads.scratch_forwards) if candidate is not None)
-        if saving:
-            backprop["workspace_forwards"][name] = saving
+        _record_forwarding(op, reads, activations, backprop)
     backprop["grad_reads"][name] = tuple(n for n in read if n in activations)
     if broadcast_sinking.keeps_small(
             op, lambda reader: any(o.name in differentiated for o in reader.outputs)):
