@@ -164,6 +164,11 @@ def _probe(op, grad_fn, wanted, folds):
                 if new_op.type not in _SHAPE_ONLY_OP_TYPES for t in new_op.inputs}
         result_ids = {id(r) for r in results if r is not None}
         scratch_bytes = _intermediate_peak(new_ops, result_ids)
+        pairs = compat.captured_pairs(scratch) if custom else ()
+        outer_of = {id(inner): outer for outer, inner in pairs}
+        # Before `sums_first` below adds its edges: early parts are those
+        # that wait for no seed in the gradient as tf.gradients builds it.
+        early = early_gradients.early_bytes(new_ops, seeds, _value_of(folds, outer_of))
 
         def forwarding():
             return (tuple((i, found) for i, found in (
@@ -174,10 +179,9 @@ def _probe(op, grad_fn, wanted, folds):
         stock = forwarding()
         # The rewrite makes a broadcast product's sibling wait for its sum:
         # the sibling then reads the incoming gradient last.
-        ordered = forwarding() if product_order.sums_first(new_ops, results) else stock
-    pairs = compat.captured_pairs(scratch) if custom else ()
+        ordered = (forwarding() if product_order.sums_first(
+            new_ops, [r for r in results if r is not None]) else stock)
     captured = [outer for outer, inner in pairs if id(inner) in read]
-    outer_of = {id(inner): outer for outer, inner in pairs}
     return Reads(tuple(i for i, t in enumerate(inputs) if id(t) in read
                        or any(c is op.inputs[i] for c in captured)),
                  tuple(i for i, t in enumerate(copy.outputs) if id(t) in read
@@ -185,8 +189,7 @@ def _probe(op, grad_fn, wanted, folds):
                  scratch_bytes,
                  tuple(c.name for c in captured
                        if not any(c is t for t in list(op.inputs) + list(op.outputs))),
-                 ungraded, early_gradients.early_bytes(new_ops, seeds, _value_of(folds, outer_of)),
-                 passed, *ordered, *(None if stock == ordered else part for part in stock))
+                 ungraded, early, passed, *ordered, *(None if stock == ordered else part for part in stock))
 
 
 def _seed_of(result, seeds):
@@ -215,7 +218,7 @@ def _forward_candidates(result, stands_for, ops):
     if not isinstance(result, tf.Tensor) or result.op not in ops:
         return ()
     kernel = result.op
-    before = gradient_waits.ancestors_among(ops, kernel.inputs)
+    before = gradient_waits.waits_for(ops, kernel)
     candidates = [t for out, inputs in op_kinds.forwardable_inputs(kernel) if out is result
                   for t in inputs if _read_last_by(kernel, t, ops, before)]
     if any(id(t) not in stands_for for t in candidates):
@@ -247,7 +250,7 @@ def _scratch_forwards(ops, results, stands_for, scratch):
                     continue
                 seen.add(id(t))
                 # Only where `op` surely reads it last (as `_forward_candidates`).
-                if not _read_last_by(op, t, ops, gradient_waits.ancestors_among(ops, op.inputs)):
+                if not _read_last_by(op, t, ops, gradient_waits.waits_for(ops, op)):
                     continue
                 saved = scratch - _intermediate_peak(ops, results, writable=t)
                 if saved > 0:

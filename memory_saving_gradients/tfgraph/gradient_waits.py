@@ -29,8 +29,17 @@ def gradient_tensors(gradient) -> list:
 def ancestors_among(ops, tensors) -> set:
     """The ops of `ops` that `tensors` depend on (data or control), by a walk
     back from their ops that stops outside `ops`."""
+    return _walk_back(ops, [t.op for t in tensors])
+
+
+def waits_for(ops, op: tf.Operation) -> set:
+    """The ops of `ops` that `op` runs after (through its inputs or control inputs)."""
+    return _walk_back(ops, runs_after(op))
+
+
+def _walk_back(ops, todo) -> set:
+    """The ops of `ops` among `todo` (a list, consumed) and what they run after."""
     among = set(ops)
-    todo = [t.op for t in tensors]
     found = set()
     while todo:
         op = todo.pop()
