@@ -14,15 +14,18 @@ Everything measured here is measured in a fresh process (this file run as
 FULL_TRACE (`session_peak_bytes`), TensorFlow forwarded nothing any more.
 """
 
+import dataclasses
 import json
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests.harness import control_flow_v1
 from tests.harness import module_result
 
 from memory_saving_gradients import measure
+from memory_saving_gradients.core import timeline
 from memory_saving_gradients.tfgraph import op_kinds
 from memory_saving_gradients.tfgraph import profiled_allocations
 from memory_saving_gradients.tfgraph import reading
@@ -138,6 +141,41 @@ def test_unknown_shapes_are_not_forwarded():
 
 def _names(pairs):
     return [(out.name, [t.name for t in inputs]) for out, inputs in pairs]
+
+
+def _scaled_chain_plan(with_v1_cond):
+    """`tanh(tanh(tanh(x) * s) * s)` planned with one checkpoint: the model and its plan.
+    `with_v1_cond`: a tf.compat.v1 cond elsewhere in the region."""
+    import memory_saving_gradients as msg
+
+    graph = tf.Graph()
+    with graph.as_default(), control_flow_v1():
+        x = tf.compat.v1.placeholder(tf.float32, [8, 16, 16, 32])
+        s = tf.compat.v1.placeholder(tf.float32, [32])
+        p = tf.compat.v1.placeholder(tf.bool, [])
+        w = tf.compat.v1.placeholder(tf.float32, [8, 16, 16, 32])
+        c = tf.compat.v1.cond(p, lambda: w * 2.0, lambda: w * 3.0) if with_v1_cond else w * 2.0
+        h = tf.tanh(tf.tanh(tf.tanh(x) * s) * s)
+        loss = tf.reduce_sum(h) + tf.reduce_sum(c)
+        report = msg.checkpoint_plan(loss, [x, s, w], checkpoints=[h.op.inputs[0]])
+    return report.model, report.plan
+
+
+@pytest.mark.parametrize("with_v1_cond", [False, True])
+def test_planned_gradients_forward_as_the_rewrite_orders_them(with_v1_cond):
+    # The rewrite makes `dy * s` wait for `sum(dy * h)` (product_order), so it
+    # writes over `dy`; stock tf.gradients, and the rewrite across
+    # tf.compat.v1 control flow (where it orders nothing), do not. Found by a
+    # review: with a v1 cond the plan was predicted a 256 KiB buffer under.
+    model, plan = _scaled_chain_plan(with_v1_cond)
+    as_stock = dataclasses.replace(
+        model, forwarded_grads={**model.forwarded_grads, **model.stock_forwarded_grads},
+        workspace_forwards={**model.workspace_forwards, **model.stock_workspace_forwards})
+    planned, unordered = (timeline.predict(m, plan).peak_bytes for m in (model, as_stock))
+    if with_v1_cond:
+        assert planned == unordered
+    else:
+        assert planned < unordered
 
 
 def _tanh_layer(h):

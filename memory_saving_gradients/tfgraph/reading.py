@@ -186,6 +186,9 @@ def build_model(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor]) -> Reading:
     region = frozenset(o.name for op in units for o in op.outputs)
     regions = (region - activations, region | x_names)
     folds = compat.folds_constants(ys[0].graph)  # asked once: each ask reads the config
+    # The rewrite orders gradient ops (product_order) only outside tf.compat.v1
+    # control flow (rewrite._Backprop._gated): there it builds what stock does.
+    ordered = not any(op.type in op_kinds.V1_CONTROL_FLOW_OP_TYPES for op in units)
     backprop = {"grad_reads": {}, "workspace": {}, "weight_grad_bytes": {},
                 "stock_workspace": {}, "run_workspace": {}, "recompute_workspace": {},
                 "trailing_workspace": {}, "ungraded": {}, "shared_buffers": {},
@@ -199,7 +202,7 @@ def build_model(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor]) -> Reading:
         if activations.isdisjoint(outs):
             other_bytes += sum(op_kinds.tensor_bytes(o) for o in outs.values())
             continue
-        _record_backprop(op, inputs[op], activations, regions, folds, backprop)
+        _record_backprop(op, inputs[op], activations, regions, (folds, ordered), backprop)
         backprop["run_workspace"][name] = workspace.run_workspace_bytes(op)
         if transposed_copies.recomputes_scratch_free(op):
             backprop["recompute_workspace"][name] = transposed_copies.copy_workspace_bytes(op)
@@ -262,13 +265,18 @@ def _named_stand_in(op, kind, index, activations):
     return (("grad" if kind == "grad" else "value"), name) if name in activations else None
 
 
-def _record_forwarding(op, reads, activations, backprop):
+def _record_forwarding(op, reads, activations, backprop, ordered):
     """The buffers `op`'s gradient may write over (`GraphModel.forwarded_grads`,
-    `workspace_forwards`, and their stock forms where they differ)."""
+    `workspace_forwards`, and their stock forms where they differ); `ordered`:
+    whether the rewrite orders the gradient's ops (else it writes what stock does)."""
     stock = {"forwarded_grads": reads.stock_forwards,
              "workspace_forwards": reads.stock_scratch_forwards}
-    for field, found in (("forwarded_grads", reads.forwards),
-                         ("workspace_forwards", reads.scratch_forwards)):
+    planned = {"forwarded_grads": reads.forwards, "workspace_forwards": reads.scratch_forwards}
+    if not ordered:
+        planned = {field: value if stock[field] is None else stock[field]
+                   for field, value in planned.items()}
+        stock = dict.fromkeys(stock)
+    for field, found in planned.items():
         for prefix, value in (("", found), ("stock_", stock[field])):
             if value is None:
                 continue
@@ -314,15 +322,17 @@ def _names_read(op, reads):
     return read
 
 
-def _record_backprop(op, op_inputs, activations, regions, folds, backprop):
+def _record_backprop(op, op_inputs, activations, regions, settings, backprop):
     """What `op`'s gradient reads, allocates besides its results, sends to weights.
 
     `regions`: (names of the region's tensors that are not activations, whose
     gradients are weight gradients; names of the region's tensors and the xs,
     what backprop takes gradients of: other inputs' gradient branches are pruned).
-    `folds`: whether Grappler folds the graph's constants (`compat.folds_constants`).
+    `settings`: whether Grappler folds the graph's constants
+    (`compat.folds_constants`), and whether the rewrite orders gradient ops.
     """
     weights, differentiated = regions
+    folds, ordered = settings
     name = op.name
     inputs_differentiated = [t.name in differentiated for t in op.inputs]
     if op.type in ("Exit", "RefExit"):
@@ -341,7 +351,7 @@ def _record_backprop(op, op_inputs, activations, regions, folds, backprop):
                        and op.outputs[j].name in activations)
         if passed:
             backprop["passed_grads"][name] = passed
-        _record_forwarding(op, reads, activations, backprop)
+        _record_forwarding(op, reads, activations, backprop, ordered)
     backprop["grad_reads"][name] = tuple(n for n in read if n in activations)
     if broadcast_sinking.keeps_small(
             op, lambda reader: any(o.name in differentiated for o in reader.outputs)):
