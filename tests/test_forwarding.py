@@ -5,7 +5,7 @@ output when nothing else holds it (`forward_input_or_allocate_output`).
 `op_kinds.FORWARDING_OP_TYPES` lists the op types the timeline lets do so;
 each is measured here: in a tf.function, an op of that type reads a 1 MiB
 intermediate `a` (and a second one, `c`, kept to the end), and the step's
-allocator peak is 2 MiB when the output takes `a`'s buffer, 3 MiB when it
+peak of the bytes requested is 2 MiB when the output takes `a`'s buffer, 3 MiB when it
 gets one of its own (as `tf.roll`'s does, the control). Control edges make
 `c` exist while the op runs and be read after it, whatever the threading.
 
@@ -24,7 +24,6 @@ import tensorflow as tf
 from tests.harness import control_flow_v1
 from tests.harness import module_result
 
-from memory_saving_gradients import measure
 from memory_saving_gradients.core import timeline
 from memory_saving_gradients.tfgraph import op_kinds
 from memory_saving_gradients.tfgraph import profiled_allocations
@@ -80,8 +79,11 @@ def _peak_mib(op_type):
             return tf.reduce_sum(out) + tf.reduce_sum(c)
 
     step()
-    peak, _ = measure.function_peak_bytes(step)
-    return peak / MIB
+    # Bytes requested, profiled: the allocator's own peak counts BFC's chunks,
+    # which can be a whole buffer larger (Sqrt measured 3 MiB after 40 kernels).
+    held = []
+    events = profiled_allocations.allocator_events(lambda: held.append(step()))
+    return profiled_allocations.requested_peak(events) / MIB
 
 
 FORWARDING = sorted(op_kinds.FORWARDING_OP_TYPES | set(op_kinds._FORWARDING_OUTPUTS))
@@ -237,14 +239,13 @@ def _chain_step(layer, plan):
     return predicted, profiled_allocations.requested_peak(events) - w.numpy().nbytes
 
 
-@pytest.mark.parametrize("plan", [None, "memory"])
-def test_chain_of_forwarding_kernels_is_predicted_within_a_buffer(measured, plan):
-    # Bytes requested, measured: 24 MiB (stock) and 8 ('memory'). Predicted 25
-    # and 9: the timeline still holds one gradient more at its peak (not found
-    # yet; docs/planner.md, session 29). Before forwarding was modelled each
-    # peak held one buffer more again (26 and 10 on this chain).
+@pytest.mark.parametrize("plan, excess", [(None, 0.25 * MIB), ("memory", 1.25 * MIB)])
+def test_chain_of_forwarding_kernels_is_predicted_to_the_buffer(measured, plan, excess):
+    # Bytes requested, measured: 25 MiB (stock) and 8 ('memory'). Predicted 25
+    # and 9 (26 and 10 before kernels writing over what they read last were
+    # modelled): the plan's prediction still holds one buffer more (not found).
     predicted, peak = measured["chains"][f"{_tanh_layer.__name__} {plan}"]
-    assert 0 <= predicted - peak <= 1.25 * MIB, (predicted / MIB, peak / MIB)
+    assert 0 <= predicted - peak <= excess, (predicted / MIB, peak / MIB)
 
 
 @pytest.mark.parametrize("plan", [None, "memory"])
