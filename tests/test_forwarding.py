@@ -43,8 +43,6 @@ _CALLS = {
         t=a, clip_value_min=-1.0, clip_value_max=1.0),
     "Roll": lambda a, c: tf.roll(a, 1, 0),  # the control: a buffer of its own
     # Outputs of `op_kinds._FORWARDING_OUTPUTS`: the backprop over the logits.
-    "SoftmaxCrossEntropyWithLogits": lambda a, c: tf.raw_ops.SoftmaxCrossEntropyWithLogits(
-        features=a, labels=c)[1],
     "SparseSoftmaxCrossEntropyWithLogits":
         lambda a, c: tf.raw_ops.SparseSoftmaxCrossEntropyWithLogits(
             features=a, labels=tf.zeros(SHAPE[:1], tf.int32))[1],

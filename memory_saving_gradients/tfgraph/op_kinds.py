@@ -51,9 +51,9 @@ FORWARDING_OP_TYPES = frozenset({
 
 
 # Op type -> (output, inputs it may be written over) of kernels with several
-# outputs: the cross entropies write their backprop over the logits.
-_FORWARDING_OUTPUTS = {"SoftmaxCrossEntropyWithLogits": ((1, (0,)),),
-                       "SparseSoftmaxCrossEntropyWithLogits": ((1, (0,)),)}
+# outputs: the sparse cross entropy writes its backprop over the logits (the
+# dense one does too in TensorFlow 2.21, not in 2.16: left out).
+_FORWARDING_OUTPUTS = {"SparseSoftmaxCrossEntropyWithLogits": ((1, (0,)),)}
 
 
 def forwardable_inputs(op: tf.Operation) -> list:
