@@ -52,8 +52,13 @@ def test_predicted_peak_within_15_percent_of_measured(request, rows, model, meth
                    "model does not know (the chunk boundaries of the first LSTM, rerun as "
                    "a chain in backprop, were counted from the forward pass and hid it): "
                    "1.11 predicted vs 1.52-1.55 MB measured", strict=False))
+    # The allocator's peak counts BFC's chunks, so it is compared with the
+    # prediction as the allocator counts it (`predicted_allocator`). Session 29
+    # (kernels writing over what they read last): the encoder's 'memory' plan
+    # 6.5 MiB predicted in bytes requested, 6.4-6.5 requested, 7.9-8.4 in chunks;
+    # 7.7 as the allocator counts it.
     row = rows[model, method, threads]
-    assert row["predicted"] == pytest.approx(row["measured"], rel=0.15), row
+    assert row["predicted_allocator"] == pytest.approx(row["measured"], rel=0.15), row
 
 
 @pytest.mark.parametrize("model", ["cnn_bn", "transformer", "lstm"])
