@@ -449,9 +449,16 @@ class _Replay(LoopEvents):
         """Records that the gradient `key` may be written over one of `candidates`
         (`OpRow.grad_forwards`): an output's incoming gradient (`grads`: output
         -> its key, where it came in one piece) or a tensor `source` names."""
-        keys = [grads.get(name) if kind == "grad" else source(name) for kind, name in candidates]
-        keys = [k for k in keys if k is not None and k not in self.trailing_keys]
+        keys = [k for k in (self._candidate_key(c, grads, source) for c in candidates)
+                if k is not None]
         self.forwards.append((self.step, key, self._held_once(keys, keys)))
+
+    def _candidate_key(self, candidate, grads, source):
+        """The buffer key of a ("grad" | "value", name) candidate, as in `_may_forward`;
+        None where it has none, or a trailing gradient part still reads it."""
+        kind, name = candidate
+        key = grads.get(name) if kind == "grad" else source(name)
+        return None if key in self.trailing_keys else key
 
     def _gradient_scratch(self, op, row, grads, source):
         """The scratch of `op`'s gradient in this step, recorded as shrinking
@@ -461,9 +468,9 @@ class _Replay(LoopEvents):
         self._scratch(size)
         savings = row.scratch_forwards if self.planned else row.stock_scratch_forwards
         if size and savings:
-            options = [(grads.get(name) if kind == "grad" else source(name), saved)
-                       for (kind, name), saved in savings]
-            options = [o for o in options if o[0] is not None and o[0] not in self.trailing_keys]
+            options = [(key, saved) for key, saved in (
+                (self._candidate_key(candidate, grads, source), saved)
+                for candidate, saved in savings) if key is not None]
             self.scratch_forwards.append((self.step, len(self.transient) - 1, options))
 
     def _held_once(self, candidates, read):
