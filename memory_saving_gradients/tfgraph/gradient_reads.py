@@ -181,6 +181,7 @@ def _probe(op, grad_fn, wanted, folds):
         # the sibling then reads the incoming gradient last.
         ordered = (forwarding() if product_order.sums_first(
             new_ops, [r for r in results if r is not None]) else stock)
+        stock_if_other = (None, None) if stock == ordered else stock
     captured = [outer for outer, inner in pairs if id(inner) in read]
     return Reads(tuple(i for i, t in enumerate(inputs) if id(t) in read
                        or any(c is op.inputs[i] for c in captured)),
@@ -189,7 +190,7 @@ def _probe(op, grad_fn, wanted, folds):
                  scratch_bytes,
                  tuple(c.name for c in captured
                        if not any(c is t for t in list(op.inputs) + list(op.outputs))),
-                 ungraded, early, passed, *ordered, *(None if stock == ordered else part for part in stock))
+                 ungraded, early, passed, *ordered, *stock_if_other)
 
 
 def _seed_of(result, seeds):
