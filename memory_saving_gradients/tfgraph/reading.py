@@ -45,11 +45,17 @@ class Reading:
         inputs, or for the Exit ops of a tf.compat.v1 while loop, the tensors
         entering the loop.
       ops: every op between xs and ys (`region_ops`), loop bodies included.
+      gated: whether the rewrite orders the region's gradient ops (level
+        gates, chained gradients, product_order). Not across tf.compat.v1
+        control flow: there a gradient may be dead (an untaken cond branch),
+        and a gate reading it would kill every copy; there the rewrite builds
+        what stock does.
     """
     model: GraphModel
     region: frozenset
     op_inputs: Mapping[str, tuple]
     ops: tuple
+    gated: bool
 
     def is_weight(self, name: str) -> bool:
         """True for region tensors that depend only on xs (kept, never recomputed)."""
@@ -186,9 +192,7 @@ def build_model(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor]) -> Reading:
     region = frozenset(o.name for op in units for o in op.outputs)
     regions = (region - activations, region | x_names)
     folds = compat.folds_constants(ys[0].graph)  # asked once: each ask reads the config
-    # The rewrite orders gradient ops (product_order) only outside tf.compat.v1
-    # control flow (rewrite._Backprop._gated): there it builds what stock does.
-    ordered = not any(op.type in op_kinds.V1_CONTROL_FLOW_OP_TYPES for op in units)
+    gated = not any(op.type in op_kinds.V1_CONTROL_FLOW_OP_TYPES for op in units)
     backprop = {"grad_reads": {}, "workspace": {}, "weight_grad_bytes": {},
                 "stock_workspace": {}, "run_workspace": {}, "recompute_workspace": {},
                 "trailing_workspace": {}, "ungraded": {}, "shared_buffers": {},
@@ -202,7 +206,7 @@ def build_model(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor]) -> Reading:
         if activations.isdisjoint(outs):
             other_bytes += sum(op_kinds.tensor_bytes(o) for o in outs.values())
             continue
-        _record_backprop(op, inputs[op], activations, regions, (folds, ordered), backprop)
+        _record_backprop(op, inputs[op], activations, regions, (folds, gated), backprop)
         backprop["run_workspace"][name] = workspace.run_workspace_bytes(op)
         if transposed_copies.recomputes_scratch_free(op):
             backprop["recompute_workspace"][name] = transposed_copies.copy_workspace_bytes(op)
@@ -245,7 +249,7 @@ def build_model(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor]) -> Reading:
         ys=tuple(y.name for y in ys if y.name in activations),
         op_outputs=op_outputs, other_bytes=other_bytes, num_region_ops=len(ops),
         loops=loop_facts, **backprop)
-    return Reading(model=model, region=region, op_inputs=op_inputs, ops=tuple(ops))
+    return Reading(model=model, region=region, op_inputs=op_inputs, ops=tuple(ops), gated=gated)
 
 
 def _passed_through(op, activations) -> dict:
@@ -265,27 +269,31 @@ def _named_stand_in(op, kind, index, activations):
     return (("grad" if kind == "grad" else "value"), name) if name in activations else None
 
 
-def _record_forwarding(op, reads, activations, backprop, ordered):
+def _record_forwarding(op, reads, activations, backprop, gated):
     """The buffers `op`'s gradient may write over (`GraphModel.forwarded_grads`,
-    `workspace_forwards`, and their stock forms where they differ); `ordered`:
-    whether the rewrite orders the gradient's ops (else it writes what stock does)."""
-    stock = {"forwarded_grads": reads.stock_forwards,
-             "workspace_forwards": reads.stock_scratch_forwards}
-    planned = {"forwarded_grads": reads.forwards, "workspace_forwards": reads.scratch_forwards}
-    if not ordered:
-        planned = {field: value if stock[field] is None else stock[field]
-                   for field, value in planned.items()}
-        stock = dict.fromkeys(stock)
-    for field, found in planned.items():
-        for prefix, value in (("", found), ("stock_", stock[field])):
-            if value is None:
-                continue
-            named = (_forwarded_grads(op, value, activations) if field == "forwarded_grads"
-                     else _named_savings(op, value, activations))
-            if named:
-                backprop[prefix + field][op.name] = named
-            elif prefix:
-                backprop[prefix + field][op.name] = ()  # none under stock
+    `workspace_forwards`), and the same under stock's order where that differs
+    (the `stock_` fields). Where the rewrite orders nothing (`Reading.gated`
+    false), it builds what stock does: stock's are the only ones."""
+    planned = (reads.forwards, reads.scratch_forwards)
+    stock = (reads.stock_forwards, reads.stock_scratch_forwards)  # Nones: as planned
+    if not gated and stock[0] is not None:
+        planned, stock = stock, (None, None)
+    grads, savings = _named_forwards(op, planned, activations)
+    if grads:
+        backprop["forwarded_grads"][op.name] = grads
+    if savings:
+        backprop["workspace_forwards"][op.name] = savings
+    if stock[0] is not None:
+        (backprop["stock_forwarded_grads"][op.name],
+         backprop["stock_workspace_forwards"][op.name]) = _named_forwards(op, stock, activations)
+
+
+def _named_forwards(op, found, activations):
+    """`found` ((forwards, scratch_forwards) of a gradient_reads.Reads) as the model
+    names them: (`GraphModel.forwarded_grads`, `workspace_forwards`) of `op`."""
+    forwards, scratch_forwards = found
+    return (_forwarded_grads(op, forwards, activations),
+            _named_savings(op, scratch_forwards, activations))
 
 
 def _named_savings(op, savings, activations):
@@ -329,10 +337,10 @@ def _record_backprop(op, op_inputs, activations, regions, settings, backprop):
     gradients are weight gradients; names of the region's tensors and the xs,
     what backprop takes gradients of: other inputs' gradient branches are pruned).
     `settings`: whether Grappler folds the graph's constants
-    (`compat.folds_constants`), and whether the rewrite orders gradient ops.
+    (`compat.folds_constants`), and `Reading.gated`.
     """
     weights, differentiated = regions
-    folds, ordered = settings
+    folds, gated = settings
     name = op.name
     inputs_differentiated = [t.name in differentiated for t in op.inputs]
     if op.type in ("Exit", "RefExit"):
@@ -351,7 +359,7 @@ def _record_backprop(op, op_inputs, activations, regions, settings, backprop):
                        and op.outputs[j].name in activations)
         if passed:
             backprop["passed_grads"][name] = passed
-        _record_forwarding(op, reads, activations, backprop, ordered)
+        _record_forwarding(op, reads, activations, backprop, gated)
     backprop["grad_reads"][name] = tuple(n for n in read if n in activations)
     if broadcast_sinking.keeps_small(
             op, lambda reader: any(o.name in differentiated for o in reader.outputs)):

@@ -35,7 +35,6 @@ from memory_saving_gradients.tfgraph import gradient_order
 from memory_saving_gradients.tfgraph import gradient_waits
 from memory_saving_gradients.tfgraph import leaf_order
 from memory_saving_gradients.tfgraph import product_order
-from memory_saving_gradients.tfgraph import op_kinds
 from memory_saving_gradients.tfgraph import conv_gradients
 from memory_saving_gradients.tfgraph import grouped_conv_calls
 from memory_saving_gradients.tfgraph import loop_chunks
@@ -133,12 +132,6 @@ class _Backprop:
         # The gradients the last phase returned: once they all exist, its
         # gradient ops have run and its recomputed tensors are free.
         self._released = []
-        # In tf.compat.v1 control flow a gradient may be dead (an untaken cond
-        # branch), and a gate reading it would kill every copy: no gate there,
-        # nor chained gradient ops (their contexts and back edges).
-        self._gated = not any(
-            graph.get_operation_by_name(name).type in op_kinds.V1_CONTROL_FLOW_OP_TYPES
-            for name in reading.op_inputs)
 
     def to_checkpoints(self, ys, grad_ys) -> None:
         """Phase 1: from the ys through the original ops, down to the checkpoints."""
@@ -182,7 +175,7 @@ class _Backprop:
         stubs, made = {}, {}
         arrived = [self._seeds[c] for c in level.checkpoints if c in self._seeds]
         level_gate = (gradient_waits.gate(arrived + self._released)
-                      if level.copy_ops and self._gated else None)
+                      if level.copy_ops and self._reading.gated else None)
         if level_gate is not None:
             self._released = []  # waited for: the next gate need not read them
 
@@ -244,18 +237,18 @@ class _Backprop:
         grads = compat.stock_gradients(targets, sources, seeds, name="backprop",
                                        stop_gradients=stops, **self._tf_kwargs)
         new_ops = self._graph.get_operations()[first_new_op:]
-        if self._gated:  # not across tf.compat.v1 control flow contexts
+        if self._reading.gated:  # not across tf.compat.v1 control flow contexts
             # Means' and sums' gradients added into x's by broadcasting, not
             # as full-size copies (broadcast_sinking.py); the ops they replace are left unread.
             grads, new_ops = broadcast_sinking.sink(new_ops, grads)
         recomputed = {t.ref() for t in held}
         if copies:
             captured_reads.read_copies(new_ops, {**dict(zip(names, sources)), **copies})
-            if self._gated:  # not across tf.compat.v1 control flow contexts
+            if self._reading.gated:  # not across tf.compat.v1 control flow contexts
                 captured_reads.wait_for_seeds(new_ops, seeds)
             recomputed = {t.ref() for t in copies.values()}
         made = [(n, g) for n, g in zip(names or [t.name for t in sources], grads) if g is not None]
-        if self._gated:
+        if self._reading.gated:
             self._order(new_ops, seeds, made, recomputed, first_call=bool(held))
         # Function calls among the stops that tf.gradients differentiated all
         # the same (their gradient ops record them as their forward op).
