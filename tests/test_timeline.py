@@ -398,3 +398,31 @@ def test_the_buffer_a_y_shares_lives_to_the_end():
     replay = timeline._Replay(model, stock=True)  # pylint: disable=protected-access
     replay.run(())
     assert replay.last_use[("fwd", names[-2])] == float("inf")
+
+
+def test_a_weight_gradient_run_first_frees_its_input_before_the_input_gradient():
+    # Convolution-like ops, whose gradient reads their input (for the weight
+    # gradient): run first, the weight gradient frees that input before the
+    # input gradient is allocated (`GraphModel.weights_first`).
+    names = chain(8)[1]
+    fields = dict(reads="input", weight_grad_bytes={n: 1 for n in names})
+    unordered, _ = chain(8, **fields)
+    ordered, _ = chain(8, weights_first=frozenset(names), **fields)
+    plan = planning.make_plan(unordered, {names[3]}, "list")
+    before, after = (timeline.predict(m, plan) for m in (unordered, ordered))
+    assert after.peak_bytes == before.peak_bytes - B
+    assert after.baseline_bytes == before.baseline_bytes  # stock leaves the two unordered
+
+
+def test_the_input_gradient_takes_its_scratch_beside_an_input_still_read():
+    # Found by a review: with the gradient's scratch counted at the weight
+    # gradient's step only, a convolution whose input outlives its gradient
+    # (a ReLU's gradient reads it next) was predicted the input gradient under.
+    unordered, names = chain(8, reads="input", weight_grad_bytes={"t05": 1},
+                             workspace={"t05": 10 * B})
+    reads = {**unordered.grad_reads, "t04": ("t03", "t04")}  # t04's gradient reads t04 too
+    unordered = dataclasses.replace(unordered, grad_reads=reads)
+    ordered = dataclasses.replace(unordered, weights_first=frozenset({"t05"}))
+    plan = planning.make_plan(unordered, {names[2]}, "list")
+    # At t05's gradient: t04, its output's gradient, the input gradient and the scratch.
+    assert timeline.predict(ordered, plan).peak_bytes == timeline.predict(unordered, plan).peak_bytes

@@ -147,6 +147,11 @@ class GraphModel:
       stock_forwarded_grads, stock_workspace_forwards: op name -> the same
         for stock tf.gradients where they differ (the rewrite orders a
         broadcast product's two gradient products, stock does not).
+      weights_first: ops whose weight gradient the rewrite runs before
+        their input gradient (a convolution's filter gradient, when its
+        output is the smaller): the activations only the weight gradient
+        reads are free before the input gradient is allocated. Stock
+        leaves the two unordered.
     """
     graph: nx.DiGraph
     tensors: Mapping[str, Activation]
@@ -178,6 +183,7 @@ class GraphModel:
         dataclasses.field(default_factory=dict))
     stock_forwarded_grads: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
     stock_workspace_forwards: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
+    weights_first: frozenset[str] = frozenset()
 
     def op_of(self, name: str) -> str:
         """The op producing activation `name`."""

@@ -346,10 +346,10 @@ class _Replay(LoopEvents):
             # written over, as one buffer).
             whole = {o: pending[o][0] for o in row.outputs if len(pending.get(o, ())) == 1}
             passed = {t: whole[o] for t, o in row.passed if o in whole}
-            read = [key for o in row.outputs for key in pending.pop(o, ())]
-            if not read and self.ys.isdisjoint(row.outputs):
+            incoming = [key for o in row.outputs for key in pending.pop(o, ())]
+            if not incoming and self.ys.isdisjoint(row.outputs):
                 continue  # no gradient reaches it: tf.gradients builds none
-            read += map(source or forward_keys.__getitem__, row.reads)
+            read = incoming + list(map(source or forward_keys.__getitem__, row.reads))
             # A chain still running meets this gradient, the next chain's too.
             self._use_all(read)
             self._use_all(trailing[0])
@@ -363,6 +363,11 @@ class _Replay(LoopEvents):
             self._gradient_scratch(op, row, whole, source)
             if op in model.loops:
                 self._loop_backward(op, model.loops[op], source(row.outputs[0])[:-1])
+            if self.planned and op in model.weights_first:
+                self._weight_gradient(op)
+                self.step += 1  # the input gradient: after what only the weights' read is free
+                self._use_all(incoming)
+                self._scratch(self.workspace.get(op, 0))  # either kernel's: the larger
             step = self.step
             small = small_grads.get(op)
             for t, size in row.grads:  # `_alloc`, inlined
@@ -377,12 +382,16 @@ class _Replay(LoopEvents):
                         self._may_forward(key, forwards[t], whole, source)
                 last_use.setdefault(key, step)
                 pending.setdefault(t, []).append(key)
-            weights = model.weight_grad_bytes.get(op, 0)
-            if weights:
-                key = ("weights", op)
-                self._alloc(key, weights)
-                self.last_use[key] = _END
-                self.weight_keys.add(key)
+            self._weight_gradient(op)
+
+    def _weight_gradient(self, op):
+        """Allocates `op`'s weight gradient (once), alive to the end: it is returned."""
+        key = ("weights", op)
+        weights = self.model.weight_grad_bytes.get(op, 0)
+        if weights and key not in self.born:
+            self._alloc(key, weights)
+            self.last_use[key] = _END
+            self.weight_keys.add(key)
 
     def _backward_parts(self, parts):
         """Stock backprop in the executor's order: (op, part) from `stock_order.parts`.

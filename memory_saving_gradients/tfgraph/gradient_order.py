@@ -42,6 +42,9 @@ from memory_saving_gradients.tfgraph.gradient_waits import gradient_tensors
 from memory_saving_gradients.tfgraph.op_kinds import tensor_bytes
 from memory_saving_gradients.tfgraph.workspace import SCRATCH_GRADIENT_OP_TYPES
 
+# Convolutions whose gradient is a "...BackpropInput" and a "...BackpropFilter" op.
+_SWAPPED_CONVOLUTIONS = frozenset({"Conv2D", "DepthwiseConv2dNative"})
+
 
 class ScratchChain:
     """Chains the scratch-allocating gradient ops of one backprop, per device.
@@ -99,6 +102,16 @@ def _smaller_output_first(scratch: list) -> list:
     for i in _swappable(scratch):
         ordered[i], ordered[i + 1] = ordered[i + 1], ordered[i]
     return ordered
+
+
+def weight_gradient_first(op: tf.Operation) -> bool:
+    """Whether `op`'s filter gradient runs before its input gradient
+    (`_swappable`): a convolution differentiated by TensorFlow's own gradient
+    ops (not `conv_gradients`') whose filter is smaller than its input. Not
+    under XLA, which schedules the step itself, ignoring control edges."""
+    return (op.type in _SWAPPED_CONVOLUTIONS and not compat.in_xla_context(op.graph)
+            and not workspace.scratch_free_saves(op)
+            and tensor_bytes(op.inputs[1]) < tensor_bytes(op.inputs[0]))
 
 
 def _swappable(scratch: list) -> list:

@@ -19,6 +19,7 @@ from memory_saving_gradients.core.model import Activation
 from memory_saving_gradients.core.model import GraphModel
 from memory_saving_gradients.tfgraph import broadcast_sinking
 from memory_saving_gradients.tfgraph import compat
+from memory_saving_gradients.tfgraph import gradient_order
 from memory_saving_gradients.tfgraph import gradient_reads
 from memory_saving_gradients.tfgraph import graph_cache
 from memory_saving_gradients.tfgraph import loop_memory
@@ -188,7 +189,7 @@ def build_model(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor]) -> Reading:
     rerunnable = loops.rerunnable_loops(units)
     x_names = {x.name for x in xs}
     tensors, pinned, op_outputs, op_inputs, edges = {}, set(), {}, {}, []
-    other_bytes = 0
+    other_bytes, weights_first = 0, set()
     region = frozenset(o.name for op in units for o in op.outputs)
     regions = (region - activations, region | x_names)
     folds = compat.folds_constants(ys[0].graph)  # asked once: each ask reads the config
@@ -208,6 +209,9 @@ def build_model(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor]) -> Reading:
             continue
         _record_backprop(op, inputs[op], activations, regions, (folds, gated), backprop)
         backprop["run_workspace"][name] = workspace.run_workspace_bytes(op)
+        if (gated and backprop["weight_grad_bytes"][name] and op.inputs[0].name in activations
+                and gradient_order.weight_gradient_first(op)):
+            weights_first.add(name)
         if transposed_copies.recomputes_scratch_free(op):
             backprop["recompute_workspace"][name] = transposed_copies.copy_workspace_bytes(op)
         # An x's own op is differentiated as it is: the gradients below it
@@ -248,7 +252,7 @@ def build_model(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor]) -> Reading:
         order=tuple(tensors),
         ys=tuple(y.name for y in ys if y.name in activations),
         op_outputs=op_outputs, other_bytes=other_bytes, num_region_ops=len(ops),
-        loops=loop_facts, **backprop)
+        loops=loop_facts, weights_first=frozenset(weights_first), **backprop)
     return Reading(model=model, region=region, op_inputs=op_inputs, ops=tuple(ops), gated=gated)
 
 
