@@ -91,6 +91,12 @@ def gradient_reads(op: tf.Operation, wanted: tuple = None, folds: bool = None) -
     return _READS[key]
 
 
+# Arguments whose value chooses axes (reduced, gathered, tiled, permuted): the
+# gradient's shapes and its kernels' temporaries follow from it, so the probe's
+# stand-in takes it (`_axis_values`). Positions (begin, indices) change neither.
+_AXIS_ARGUMENTS = frozenset({"axis", "reduction_indices", "multiples", "perm"})
+
+
 def _key(op):
     attrs = tuple(sorted((name, value.SerializeToString(deterministic=True))
                          for name, value in op.node_def.attr.items()
@@ -98,7 +104,8 @@ def _key(op):
                          # one naming a tf.custom_gradient's own gradient function.
                          if not name.startswith("_") or name == "_gradient_op_type"))
     signature = tuple((t.dtype.name, _dims(t.shape)) for t in (*op.inputs, *op.outputs))
-    return op.type, attrs, signature, _read_outputs(op)
+    values = tuple(None if v is None else v.tobytes() for v in _axis_values(op))
+    return op.type, attrs, signature, values, _read_outputs(op)
 
 
 def _dims(shape):
@@ -139,7 +146,8 @@ def _probe(op, grad_fn, wanted, folds):
     custom = "_gradient_op_type" in op.node_def.attr
     scratch = compat.capturing_graph(op.graph, "gradient_probe") if custom else tf.Graph()
     with scratch.as_default():
-        inputs = [_stand_in(t, f"input{i}") for i, t in enumerate(op.inputs)]
+        inputs = [_stand_in(t, f"input{i}", value)
+                  for i, (t, value) in enumerate(zip(op.inputs, _axis_values(op)))]
         copy = compat.create_op_copy(scratch, op, inputs)
         for old, new in zip(op.outputs, copy.outputs):
             new.set_shape(old.shape)
@@ -285,9 +293,10 @@ def _intermediate_peak(ops, results, writable=None):
     is taken over intermediates and results alike, less the results' bytes.
     Each buffer lives from its op to the last reader among `ops` of the
     tensors sharing it; shapes are static (the stand-ins have the op's
-    shapes); unknown dims count as 1. `writable`: a stand-in whose buffer the
-    ops may write over after their last read of it (counted elsewhere: what
-    is written there costs nothing here).
+    shapes); unknown dims count as 1. A reduction's kernel temporary
+    (`op_kinds.reduction_temp_bytes`) counts while it runs. `writable`: a
+    stand-in whose buffer the ops may write over after their last read of it
+    (counted elsewhere: what is written there costs nothing here).
     """
     last_reader = {}
     for step, op in enumerate(ops):
@@ -303,28 +312,34 @@ def _intermediate_peak(ops, results, writable=None):
             end = max(last_reader.get(t, start) for t in tensors)
             frees[end] = frees.get(end, 0) + size
     alive, peak = 0, 0
-    for step in range(len(ops)):
+    for step, op in enumerate(ops):
         alive += starts.get(step, 0)
-        peak = max(peak, alive)
+        peak = max(peak, alive + op_kinds.reduction_temp_bytes(op))
         alive -= frees.get(step, 0)
     return max(peak - result_bytes, 0)
 
 
 def _buffers(ops, last_reader, writable=None):
     """(first step, bytes, ids of the tensors sharing it) of each buffer `ops`
-    allocate: an aliasing op's output shares its input's buffer, and so does
-    an element-wise op's whose same-sized intermediate input (or `writable`)
-    dies there; `writable`'s buffer is listed first, at no bytes."""
+    allocate: an aliasing op's output shares its input's buffer (a stand-in's
+    at no bytes), and so does an element-wise op's whose same-sized
+    intermediate input (or `writable`) dies there; `writable`'s buffer is
+    listed first, at no bytes."""
     buffer_of, buffers = {}, []
     if writable is not None:
         buffers.append((-1, 0, {id(writable)}))
         buffer_of[id(writable)] = 0
+    outside = set()  # stand-ins' buffers: counted and freed elsewhere, never written over
     for step, op in enumerate(ops):
         shared = None
-        if op.type in timeline.ALIASING_OP_TYPES and op.inputs and id(op.inputs[0]) in buffer_of:
+        if op.type in timeline.ALIASING_OP_TYPES and op.inputs:
+            if id(op.inputs[0]) not in buffer_of:
+                buffers.append((step, 0, {id(op.inputs[0])}))
+                buffer_of[id(op.inputs[0])] = len(buffers) - 1
+                outside.add(len(buffers) - 1)
             shared = buffer_of[id(op.inputs[0])]
         else:
-            forwarded = _forwarded_input(op, buffer_of, last_reader, step)
+            forwarded = _forwarded_input(op, buffer_of, outside, last_reader, step)
             if forwarded is not None:
                 shared = buffer_of[id(forwarded)]
         for t in op.outputs:
@@ -339,14 +354,15 @@ def _buffers(ops, last_reader, writable=None):
     return buffers
 
 
-def _forwarded_input(op, made, last_reader, step):
+def _forwarded_input(op, buffer_of, outside, last_reader, step):
     """The input whose buffer `op` writes its (one) output into, or None: a
-    forwardable one (`op_kinds.forwardable_inputs`) made among the ops and
-    read last by `op`."""
+    forwardable one (`op_kinds.forwardable_inputs`) made among the ops (its
+    buffer not one of `outside`) and read last by `op`."""
     if len(op.outputs) != 1:
         return None
     return next((t for _, inputs in op_kinds.forwardable_inputs(op) for t in inputs
-                 if id(t) in made and last_reader.get(id(t)) == step), None)
+                 if id(t) in buffer_of and buffer_of[id(t)] not in outside
+                 and last_reader.get(id(t)) == step), None)
 
 
 def _zeros(tensor):
@@ -356,5 +372,33 @@ def _zeros(tensor):
     return tf.zeros_like(_stand_in(tensor, "unread"))
 
 
-def _stand_in(tensor, name):
+def _stand_in(tensor, name, value=None):
+    """A placeholder of `tensor`'s dtype and shape, or a constant of `value`."""
+    if value is not None:
+        return tf.constant(value, tensor.dtype.base_dtype, name=name)
     return tf.compat.v1.placeholder(tensor.dtype.base_dtype, tensor.shape, name=name)
+
+
+def _axis_values(op):
+    """Per input of `op`: its value where it is an `_AXIS_ARGUMENTS` argument
+    given by a constant (read from the op: asking TensorFlow for a tensor's
+    static value would make it unfeedable), else None."""
+    values = [None] * len(op.inputs)
+    constant = [i for i, t in enumerate(op.inputs) if t.op.type == "Const"]
+    if constant:
+        names = _argument_names(op)
+        for i in constant:
+            if names is not None and names[i] in _AXIS_ARGUMENTS:
+                values[i] = tf.make_ndarray(op.inputs[i].op.get_attr("value"))
+    return values
+
+
+def _argument_names(op):
+    """The op definition's argument name of each input of `op` (a list argument
+    names each of its inputs), or None where they do not line up."""
+    names = []
+    for arg in op.op_def.input_arg:
+        count = (op.get_attr(arg.number_attr) if arg.number_attr
+                 else len(op.get_attr(arg.type_list_attr)) if arg.type_list_attr else 1)
+        names += [arg.name] * count
+    return names if len(names) == len(op.inputs) else None

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import math
 
+import numpy as np
 import tensorflow as tf
 
 from memory_saving_gradients.tfgraph import compat
@@ -145,6 +146,39 @@ def much_larger(big: tf.Tensor, small: tf.Tensor) -> bool:
     """Whether `big` has at least 8 times `small`'s elements (static shapes):
     where a sum, mean or broadcast between them is worth reordering for."""
     return tensor_elements(big) >= 8 * tensor_elements(small)
+
+
+# Reductions run by TensorFlow's ReductionOp kernel (`reduction_temp_bytes`).
+REDUCTION_OP_TYPES = frozenset({"Sum", "Mean", "Prod", "Max", "Min", "All", "Any",
+                                "EuclideanNorm"})
+
+
+def reduction_temp_bytes(op: tf.Operation) -> int:
+    """Bytes of the temporary a reduction's CPU kernel allocates while it runs.
+
+    The kernel sees its input as alternating runs of reduced and kept
+    dimensions (leading size-1 dimensions dropped, any other size-1 one joining
+    the run before it). Up to three runs it reduces in place; beyond that it
+    first copies the input, transposed so the reduced runs come last, into a
+    temporary of the input's size: a tf.tile over two axes has such a sum in
+    its gradient (axes [0, 2, 4, 6] of the gradient reshaped to
+    [1, n, 2, h, 2, w, 1, c]). Unknown shapes or axes: 0.
+    """
+    if op.type not in REDUCTION_OP_TYPES or not op.inputs[0].shape.is_fully_defined():
+        return 0
+    axes = tf.get_static_value(op.inputs[1])
+    dims = op.inputs[0].shape.as_list()
+    if axes is None or not dims:
+        return 0
+    reduced = {int(a) % len(dims) for a in np.atleast_1d(axes)}
+    runs, previous = 0, None
+    for i, size in enumerate(dims):
+        if runs == 0 and size == 1:
+            continue
+        flag = previous if (runs and size == 1) else i in reduced
+        runs += flag != previous
+        previous = flag
+    return tensor_bytes(op.inputs[0]) if runs > 3 else 0
 
 
 def tensor_bytes(t: tf.Tensor) -> int:

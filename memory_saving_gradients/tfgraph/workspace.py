@@ -28,6 +28,7 @@ import tensorflow as tf
 from memory_saving_gradients.tfgraph import allocations
 from memory_saving_gradients.tfgraph import compat
 from memory_saving_gradients.tfgraph import conv_gradients
+from memory_saving_gradients.tfgraph import op_kinds
 
 logger = logging.getLogger(__name__)
 
@@ -107,8 +108,11 @@ def stock_kernels_take_scratch() -> bool:
 
 
 def run_workspace_bytes(op: tf.Operation) -> int:
-    """Bytes `op` itself allocates besides its outputs when it runs (0 if not measured)."""
-    return _workspace(op, _RUN_OPS)
+    """Bytes `op` itself allocates besides its outputs when it runs: measured
+    (`_RUN_OPS`), or a reduction's temporary (`op_kinds.reduction_temp_bytes`)."""
+    if compat.in_xla_context(op.graph):
+        return 0  # XLA compiles the op without these kernels (`_workspace`)
+    return _workspace(op, _RUN_OPS) + op_kinds.reduction_temp_bytes(op)
 
 
 def _workspace(op, table):
