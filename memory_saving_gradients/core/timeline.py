@@ -363,7 +363,8 @@ class _Replay(LoopEvents):
             self._gradient_scratch(op, row, whole, source)
             if op in model.loops:
                 self._loop_backward(op, model.loops[op], source(row.outputs[0])[:-1])
-            if self.planned and op in model.weights_first:
+            weights_first = self.planned and op in model.weights_first
+            if weights_first:
                 self._weight_gradient(op)
                 self.step += 1  # the input gradient: after what only the weights' read is free
                 self._use_all(incoming)
@@ -382,13 +383,14 @@ class _Replay(LoopEvents):
                         self._may_forward(key, forwards[t], whole, source)
                 last_use.setdefault(key, step)
                 pending.setdefault(t, []).append(key)
-            self._weight_gradient(op)
+            if not weights_first:
+                self._weight_gradient(op)
 
     def _weight_gradient(self, op):
-        """Allocates `op`'s weight gradient (once), alive to the end: it is returned."""
+        """Allocates `op`'s weight gradient, alive to the end: it is returned."""
         key = ("weights", op)
         weights = self.model.weight_grad_bytes.get(op, 0)
-        if weights and key not in self.born:
+        if weights:
             self._alloc(key, weights)
             self.last_use[key] = _END
             self.weight_keys.add(key)

@@ -25,6 +25,7 @@ from memory_saving_gradients.tfgraph import early_gradients
 from memory_saving_gradients.tfgraph import gradient_waits
 from memory_saving_gradients.tfgraph import op_kinds
 from memory_saving_gradients.tfgraph import product_order
+from memory_saving_gradients.tfgraph import static_values
 
 logger = logging.getLogger(__name__)
 
@@ -314,17 +315,10 @@ def _intermediate_peak(ops, results, writable=None):
     alive, peak = 0, 0
     for step, op in enumerate(ops):
         alive += starts.get(step, 0)
-        peak = max(peak, alive + _reduction_temp_bytes(op))
+        # The probe's graph is ours to evaluate: a tile's gradient computes its sum's axes.
+        peak = max(peak, alive + op_kinds.reduction_temp_bytes(op, tf.get_static_value))
         alive -= frees.get(step, 0)
     return max(peak - result_bytes, 0)
-
-
-def _reduction_temp_bytes(op):
-    """`op_kinds.reduction_temp_bytes` of a probe's op, its axes evaluated (a
-    tile's gradient computes them; the probe's graph is ours to evaluate)."""
-    if op.type not in op_kinds.REDUCTION_OP_TYPES:
-        return 0
-    return op_kinds.reduction_temp_bytes(op, tf.get_static_value(op.inputs[1]))
 
 
 def _buffers(ops, last_reader, writable=None):
@@ -389,13 +383,13 @@ def _stand_in(tensor, name, value=None):
 
 def _axis_values(op):
     """Per input of `op`: its value where it is an `_AXIS_ARGUMENTS` argument
-    given by a constant (`op_kinds.const_value`), else None."""
+    given by a constant (`static_values.const_value`), else None."""
     values = [None] * len(op.inputs)
     constant = [i for i, t in enumerate(op.inputs) if t.op.type == "Const"]
     names = _argument_names(op) if constant else None
     for i in constant if names is not None else ():
         if names[i] in _AXIS_ARGUMENTS:
-            values[i] = op_kinds.const_value(op.inputs[i])
+            values[i] = static_values.const_value(op.inputs[i])
     return values
 
 

@@ -14,6 +14,7 @@ import tensorflow as tf
 from memory_saving_gradients.tfgraph import compat
 from memory_saving_gradients.tfgraph import effects
 from memory_saving_gradients.tfgraph import loops
+from memory_saving_gradients.tfgraph import static_values
 
 # Ops whose copies would not behave like the original (or could not be
 # differentiated when copied): their outputs are kept instead of recomputed.
@@ -153,14 +154,7 @@ REDUCTION_OP_TYPES = frozenset({"Sum", "Mean", "Prod", "Max", "Min", "All", "Any
                                 "EuclideanNorm"})
 
 
-def const_value(tensor: tf.Tensor):
-    """The value of `tensor` if a Const op makes it, else None. Read from the op:
-    asking TensorFlow for a static value (`tf.get_static_value`) would make the
-    tensor unfeedable in a Session."""
-    return tf.make_ndarray(tensor.op.get_attr("value")) if tensor.op.type == "Const" else None
-
-
-def reduction_temp_bytes(op: tf.Operation, axes=None) -> int:
+def reduction_temp_bytes(op: tf.Operation, value_of=static_values.const_value) -> int:
     """Bytes of the temporary a reduction's CPU kernel allocates while it runs.
 
     The kernel sees its input as alternating runs of reduced and kept
@@ -169,12 +163,12 @@ def reduction_temp_bytes(op: tf.Operation, axes=None) -> int:
     first copies the input, transposed so the reduced runs come last, into a
     temporary of the input's size: a tf.tile over two axes has such a sum in
     its gradient (axes [0, 2, 4, 6] of the gradient reshaped to
-    [1, n, 2, h, 2, w, 1, c]). `axes`: their value, where known otherwise than
-    from a Const (`const_value`, the default). Unknown shapes or axes: 0.
+    [1, n, 2, h, 2, w, 1, c]). `value_of` reads the axes' value (default: a
+    Const's, which leaves the user's graph as it was). Unknown shapes or axes: 0.
     """
     if op.type not in REDUCTION_OP_TYPES or not op.inputs[0].shape.is_fully_defined():
         return 0
-    axes = const_value(op.inputs[1]) if axes is None else axes
+    axes = value_of(op.inputs[1])
     dims = op.inputs[0].shape.as_list()
     if axes is None or not dims:
         return 0

@@ -37,6 +37,12 @@ def static_value(tensor: tf.Tensor) -> Optional[np.ndarray]:
         return session.run(made[tensor.name])
 
 
+def const_value(tensor: tf.Tensor) -> Optional[np.ndarray]:
+    """The value of `tensor` if a Const op makes it, else None. Read from the op:
+    `tf.get_static_value` would make the tensor unfeedable in a Session."""
+    return tf.make_ndarray(tensor.op.get_attr("value")) if tensor.op.type == "Const" else None
+
+
 def _foldable_ancestors(tensor):
     """Ops computing `tensor` from statically known tensors, topologically,
     if all are stateless and call no function; else None."""
