@@ -3,12 +3,12 @@
 Two parts, each block x -> 8 elementwise ops -> a matmul -> x + f(x):
 
 * core: the network built directly as the planner's model (core GraphModel,
-  1 MiB per tensor). Times the 'memory' and 'speed' strategies and budgets of
-  30/50/70% of tf.gradients' activation memory, each end to end (cut problem,
+  1 MiB per tensor). Times the 'memory' and 'speed' strategies, memory_within(0.1)
+  and budgets of 30/50/70% of tf.gradients' activation memory, each end to end (cut problem,
   solver, plan, prediction).
 * tf (--tf): the same network traced as a TensorFlow graph (width 16, a
   tf.Variable per block): reading the graph into the planner's model
-  (`tfgraph/reading.py`), then 'memory' and a budget of half of tf.gradients'
+  (`tfgraph/reading.py`), then 'memory', memory_within(0.1) and a budget of half of tf.gradients'
   predicted memory on that model.
 
 Each strategy runs on a fresh copy of the model, so nothing one strategy
@@ -105,6 +105,7 @@ def core_part(blocks, clock):
           f"{model.bytes_of(model.order) / MIB:.0f} MiB of activations")
     timed("memory", clock, "memory", model)
     timed("speed", clock, "speed", model)
+    timed("within 10%", clock, budgets.memory_within(0.1), model)
     baseline = model.bytes_of(model.order)
     for share in (0.3, 0.5, 0.7):
         timed(f"budget {share:.0%}", clock, budgets.budget(share * baseline), model)
@@ -141,6 +142,7 @@ def tf_part(blocks, clock, width=16):
         model = read.model
         print(f"tf: {model.num_region_ops} ops, {len(model.order)} activations")
         timed("memory", clock, "memory", model)
+        timed("within 10%", clock, budgets.memory_within(0.1), model)
         baseline = pricing.predict(fresh(model), None).baseline_bytes
         timed("budget 50%", clock, budgets.budget(0.5 * baseline), model)
         return loss
