@@ -216,11 +216,11 @@ def test_the_filter_gradient_first_is_predicted_to_the_byte(measured, plan):
     # tile gradient's sum counted its temporary (and 4.0 / 4.0 with the order only).
     predicted, unordered, peak, scratch = measured[plan]
     assert unordered - predicted > 1.25 * MIB  # the tile is free before the input gradient
-    assert predicted > peak - 0.05 * MIB, (predicted / MIB, peak / MIB)
-    if scratch < 0.05 * MIB:
-        assert predicted - peak < 0.05 * MIB, (predicted / MIB, peak / MIB)
-    # Else over: TensorFlow 2.16's depthwise gradient kernels are probed at 6 MiB of
-    # scratch that the step's peak does not show (predicted 10.0 and 10.0).
+    assert abs(predicted - peak) < 0.05 * MIB, (predicted / MIB, peak / MIB)
+    # The depthwise gradient kernels take no scratch. Under TensorFlow 2.16 the
+    # probe counted its Session's three 2 MiB feeds as scratch, 6 MiB (2.16 names
+    # their op "(null)"), and predicted 10.0 MiB for both plans.
+    assert scratch < 0.05 * MIB, scratch / MIB
 
 
 def _measure_all():

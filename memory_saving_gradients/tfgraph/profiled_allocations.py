@@ -21,6 +21,9 @@ from memory_saving_gradients.tfgraph import compat
 
 logger = logging.getLogger(__name__)
 _KINDS = {"MemoryAllocation": 1, "MemoryDeallocation": -1}
+# How TensorFlow 2.16 names the op of an allocation no op made (a Session's
+# feeds, which newer versions leave unnamed).
+_NO_OP = "(null)"
 
 
 def allocator_events(call) -> list:
@@ -53,6 +56,7 @@ def _plane_events(plane):
             size = _number(stats["allocation_bytes"])
             requested = _number(stats["requested_bytes"]) if "requested_bytes" in stats else size
             op, shape = (_text(plane, stats.get(key)) for key in ("tf_op", "shape"))
+            op = "" if op == _NO_OP else op
             events.append((line.timestamp_ns * 1000 + event.offset_ps, sign * size,
                            _number(stats["addr"]), op, shape, requested))
     return events
