@@ -84,8 +84,7 @@ def scratch_free_saves(op: tf.Operation) -> bool:
     and ours would only add its tap slices and flipped filter (18 MiB on
     ResNet50's 3x3 512 -> 512 convolutions). So the host decides first
     (`stock_kernels_take_scratch`, one probe): with oneDNN, never ours (the
-    per-shape probes there read a few bytes or, on TF 2.16, sometimes more
-    than ours, from one process to the next). With TensorFlow's kernels, each
+    per-shape probes there read a few bytes). With TensorFlow's kernels, each
     shape is measured once; with an unknown batch size, ours."""
     if not conv_gradients.is_eligible(op) or not stock_kernels_take_scratch():
         return False
