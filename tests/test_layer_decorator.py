@@ -211,6 +211,59 @@ def test_fit_with_mask_keyword():
                         [w.numpy() for w in models[False].weights], rtol=1e-6, atol=1e-7)
 
 
+class Scaled(keras.layers.Layer):
+    """dense(h) * scale: a second float input, which callers may compute from h."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(WIDTH, activation="tanh")
+
+    def call(self, h, scale=None):
+        return self.dense(h) * scale
+
+
+class RecomputedScaled(Scaled):
+    @recompute_grad
+    def call(self, h, scale=None):
+        return super().call(h, scale=scale)
+
+
+@pytest.mark.parametrize("how", ["keyword", "positional", "same tensor"])
+def test_an_input_computed_from_another_gets_its_own_gradient(how):
+    # Found by a review: the body was differentiated from the outer tensors, so
+    # the path from h to tanh(h) was counted inside the segment and again
+    # outside (x's gradient 0.85 off of 1.49), and h passed twice got twice its
+    # gradient. tf.custom_gradient wants each input's partial gradient.
+    x = tf.constant(np.random.default_rng(0).normal(size=(4, WIDTH)).astype(np.float32))
+    keras.utils.set_random_seed(0)
+    before = keras.layers.Dense(WIDTH)
+    before(x)
+    layers = {False: Scaled(), True: RecomputedScaled()}
+    for layer in layers.values():
+        layer(x, scale=x)
+    for theirs, ours in zip(layers[False].weights, layers[True].weights):
+        ours.assign(theirs)
+
+    def gradients(layer):
+        @tf.function
+        def step(x):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                h = before(x)
+                scale = h if how == "same tensor" else tf.tanh(h)
+                out = layer(h, scale=scale) if how == "keyword" else layer(h, scale)
+                loss = tf.reduce_sum(out ** 2)
+            return tape.gradient(loss, [x] + before.trainable_variables
+                                 + layer.trainable_variables)
+        return step(x)
+
+    with switched(True):
+        ours = gradients(layers[True])
+    theirs = gradients(layers[False])
+    assert_same_weights([g.numpy() for g in ours], [g.numpy() for g in theirs],
+                        rtol=1e-5, atol=1e-6)
+
+
 def test_nested_decorated_layers(count_segments):
     def build(outer, block):
         return build_model(lambda **kw: outer(block, **kw), num_blocks=2)

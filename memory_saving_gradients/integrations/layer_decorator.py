@@ -174,7 +174,13 @@ def _call_as_segment(call: Callable, layer: keras.layers.Layer, args: tuple,
     slots = [i for i, v in enumerate(leaves) if _is_differentiable_input(v)]
 
     @tf.custom_gradient
-    def segment(*inputs):
+    def segment(*outer):
+        # tf.custom_gradient wants each input's own (partial) gradient. The
+        # body reads stand-ins, so that one input computed from another, or
+        # passed twice, gets only the gradient of its own reads: differentiated
+        # from the outer tensors, the path between them would be counted here
+        # and again by the backprop outside.
+        inputs = [tf.identity(t) for t in outer]
         filled = list(leaves)
         for slot, tensor in zip(slots, inputs):
             filled[slot] = tensor
