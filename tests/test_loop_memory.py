@@ -75,3 +75,72 @@ def test_where_a_chunked_loop_gets_its_chunk_states():
     assert written_loop.states_saved_in_place
     assert not written_loop.states_saved_when_recomputed
     assert written["outputs"][0] == written["outputs"][1]  # the loop is left alone
+
+
+def _projected_recurrence(parallel_iterations, steps=16, batch=64, width=256):
+    """A tf.function running h <- tanh(x_t @ wx + h @ wh) over `steps` inputs
+    (an RNN's input projection, 64 KiB a step, does not wait for h), and its loop op."""
+    wx = tf.Variable(np.full((8, width), 0.01, np.float32))
+    wh = tf.Variable(np.eye(width, dtype=np.float32) * 0.5)
+    found = {}
+
+    @tf.function
+    def step(xs):
+        inputs = tf.TensorArray(tf.float32, size=steps).unstack(xs)
+
+        def body(i, h):
+            return i + 1, tf.tanh(inputs.read(i) @ wx + h @ wh)
+
+        _, h = tf.while_loop(lambda i, h: i < steps, body, [0, tf.zeros([batch, width])],
+                             maximum_iterations=steps, parallel_iterations=parallel_iterations)
+        found["loop"] = h.op
+        return tf.reduce_sum(h)
+
+    xs = tf.constant(np.random.default_rng(0).normal(size=(steps, batch, 8)).astype(np.float32))
+    step(xs)
+    return step, xs, found["loop"]
+
+
+def test_projections_computed_ahead_of_the_recurrence():
+    from memory_saving_gradients.core import loop_chunking
+    from memory_saving_gradients.tfgraph import loop_memory
+    from memory_saving_gradients.tfgraph import profiled_allocations
+
+    projection = 64 * 256 * 4
+    for parallel in (4, 10):
+        step, xs, loop = _projected_recurrence(parallel)
+        facts = loop_memory.loop_facts(loop, rerunnable=False)
+        assert facts.ahead_bytes == projection  # the list's items and the weights are views
+        assert facts.parallel_iterations == parallel
+        assert loop_chunking.run_ahead_buffers(facts, 16, 0) == (parallel, projection)
+        # A stack of more than the projection per iteration uses them up as it grows.
+        assert loop_chunking.run_ahead_buffers(facts, 16, 16 * 2 * projection)[1] == 0
+        # Measured (TensorFlow 2.16 and 2.21, either threading): `parallel` projections
+        # alive at once, beside the 32 KiB input list and a state or two.
+        peak = profiled_allocations.requested_peak(
+            profiled_allocations.allocator_events(lambda: step(xs)))
+        assert parallel * projection <= peak <= (parallel + 3) * projection, (parallel, peak)
+
+
+def test_nothing_is_ahead_where_every_value_waits_for_the_state():
+    found = _plan_of_loop(STEPS)  # h <- tanh(h @ w)
+    assert found["plan"].model.loops[found["name"]].ahead_bytes == 0
+
+
+def test_nothing_is_ahead_under_xla():
+    from memory_saving_gradients.tfgraph import loop_memory
+
+    w = tf.Variable(np.eye(WIDTH, dtype=np.float32))
+    found = {}
+
+    @tf.function(jit_compile=True)
+    def step(xs):
+        inputs = tf.TensorArray(tf.float32, size=4).unstack(xs)
+        _, h = tf.while_loop(lambda i, h: i < 4,
+                             lambda i, h: (i + 1, tf.tanh(inputs.read(i) @ w + h)),
+                             [0, tf.zeros([BATCH, WIDTH])], maximum_iterations=4)
+        found["ahead"] = loop_memory.ahead_bytes(h.op)  # while XLA's context is on
+        return h
+
+    step.get_concrete_function(tf.TensorSpec([4, BATCH, WIDTH], tf.float32))
+    assert found["ahead"] == 0

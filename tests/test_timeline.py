@@ -155,6 +155,24 @@ def test_stock_loop_keeps_every_iteration_until_its_gradient():
     assert timeline.predict(looped).peak_bytes == 20 * B
 
 
+def test_values_a_loop_computes_ahead_are_alive_while_it_runs():
+    # t02 is a loop of 10 iterations whose body computes B ahead of its
+    # recurrence, 4 iterations at a time (Loop.ahead_bytes). Kept nothing,
+    # stock's peak is the loop's run: t01, t02 and 4 B ahead (3 B in backprop).
+    # A stack of 2 B an iteration uses them up as it grows: no change.
+    model, names = chain(8, reads="nothing")
+    facts = dict(trip_count=10, state_bytes=B, ahead_bytes=B, parallel_iterations=4)
+    assert timeline.predict(with_loop(model, "t02", iteration_bytes=0, **facts)).peak_bytes == 6 * B
+    stacked = with_loop(model, "t02", iteration_bytes=2 * B, **facts)
+    plain = with_loop(model, "t02", iteration_bytes=2 * B, trip_count=10, state_bytes=B)
+    assert timeline.predict(stacked).peak_bytes == timeline.predict(plain).peak_bytes == 23 * B
+    # Rerun in chunks of 5 with nothing stacked, each chunk computes 4 B ahead
+    # beside the 2 boundaries, the y and two gradients.
+    chunked = with_loop(model, "t02", iteration_bytes=0, chunk_size=5, **facts)
+    plan = planning.make_plan(chunked, set(), "list")
+    assert timeline.predict(chunked, plan).peak_bytes == (4 + 2 + 1 + 2) * B
+
+
 def test_chunked_loop_keeps_boundaries_and_one_chunk():
     # Chunks of 5 of 100 iterations: 20 boundary states (B each) from the
     # forward pass, then one chunk's 5 B of stacks while its gradient runs,

@@ -48,3 +48,19 @@ def chunk_stack_bytes(loop) -> int:
 def rewritten_bytes(loop) -> int:
     """What a rerun of a `Loop` writes into its lists again (its output sequence)."""
     return loop.written_bytes * max(loop.trip_count or 1, 1)
+
+
+
+def run_ahead_buffers(loop, iterations: int, kept: int) -> tuple:
+    """(count, bytes each) of a `Loop`'s values computed ahead
+    (`Loop.ahead_bytes`) at their most during a run of `iterations`
+    iterations, above the `kept` bytes the run leaves (stacks or boundaries,
+    which grow as the values ahead are used up): min(P, n) iterations' values
+    at first, less what they will keep, max(0, ahead - kept / n) each.
+
+    Example: an LSTM's 64 KiB input projection, 16 iterations, 32 in
+    parallel: 16 of 64 KiB when the run keeps nothing, none when it keeps a
+    stack of 128 KiB per iteration.
+    """
+    n = max(iterations, 1)
+    return min(loop.parallel_iterations, n), max(0, loop.ahead_bytes - kept // n)

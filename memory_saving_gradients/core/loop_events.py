@@ -33,7 +33,8 @@ class LoopEvents:
                 and loop.states_saved_when_recomputed)
 
     def _loop_forward(self, op, loop, where):
-        """What a loop keeps for its gradient once it ran: stacks or chunk boundaries.
+        """What a loop keeps for its gradient once it ran: stacks or chunk
+        boundaries; and while it runs, the values its body computes ahead.
 
         A copied loop's original is not differentiated (no stacks). A chunked
         loop's boundaries are saved by its forward run or made by the chain
@@ -41,14 +42,29 @@ class LoopEvents:
         is without saved boundaries makes them in its gradient.
         """
         original = where == ("fwd",)
+        trips = max(loop.trip_count or 1, 1)
+        kept, run = None, trips
         if self._chunked(op, loop):
             if original == self._saves_states(op, loop):
-                self._alloc(("loop", where, op), loop_chunking.boundary_bytes(loop))
+                kept = loop_chunking.boundary_bytes(loop)
+            if not original:  # a chain of chunks, each a loop of its own
+                run = min(loop.chunk_size, trips)
         elif not original:  # rerun whole: its stacks, and its lists written again
-            self._alloc(("loop", where, op), loop_chunking.stacked_bytes(loop)
-                        + loop_chunking.rewritten_bytes(loop))
+            kept = loop_chunking.stacked_bytes(loop) + loop_chunking.rewritten_bytes(loop)
         elif op not in self.copied:
-            self._alloc(("loop", where, op), loop_chunking.stacked_bytes(loop))
+            kept = loop_chunking.stacked_bytes(loop)
+        if kept is not None:
+            self._alloc(("loop", where, op), kept)
+        # Over a chain of chunks, per chunk (its share of the boundaries: none).
+        self._run_ahead(op, where, loop, run, kept if kept is not None and run == trips else 0)
+
+    def _run_ahead(self, op, where, loop, iterations, kept):
+        """The values a run of `loop` computes ahead of its recurrence
+        (`loop_chunking.run_ahead_buffers`): separate buffers, alive in this
+        step only."""
+        count, size = loop_chunking.run_ahead_buffers(loop, iterations, kept)
+        for number in range(count if size else 0):
+            self._alloc(("ahead", where, op, number), size)
 
     def _loop_backward(self, op, loop, where):
         """A loop's gradient frees what it kept; a chunked one reruns each chunk
@@ -57,9 +73,11 @@ class LoopEvents:
             self._use(("loop", ("fwd",), op))
             self._use(("loop", where, op))
             chain = op not in self.copied and not loop.states_saved_in_place
-            self._scratch(loop_chunking.chunk_stack_bytes(loop)
-                          + loop_chunking.rewritten_bytes(loop)
+            stacks = loop_chunking.chunk_stack_bytes(loop)
+            self._scratch(stacks + loop_chunking.rewritten_bytes(loop)
                           + (loop_chunking.boundary_bytes(loop) if chain else 0))
+            self._run_ahead(op, where + ("chunk",), loop,
+                            min(loop.chunk_size, max(loop.trip_count or 1, 1)), stacks)
             runs = 2 if chain else 1
             self.recompute_flops += runs * self.tensors[self.model.op_outputs[op][0]].cost
         else:

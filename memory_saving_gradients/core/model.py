@@ -67,6 +67,11 @@ class Loop:
       states_saved_when_recomputed: whether a copy the plan recomputes takes
         the forward run's outputs and saved boundaries (else a chain of
         chunks reruns it in its level).
+      ahead_bytes: bytes per iteration of the body's values that do not wait
+        for its carried state (an RNN's input projection): TensorFlow's
+        executor computes them up to `parallel_iterations` iterations ahead,
+        each held until its iteration's state arrives.
+      parallel_iterations: how many iterations the executor may run at once.
     """
     trip_count: Optional[int]
     iteration_bytes: int
@@ -75,6 +80,8 @@ class Loop:
     chunk_size: Optional[int] = None
     states_saved_in_place: bool = True
     states_saved_when_recomputed: bool = True
+    ahead_bytes: int = 0
+    parallel_iterations: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
