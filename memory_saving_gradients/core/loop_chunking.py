@@ -51,16 +51,19 @@ def rewritten_bytes(loop) -> int:
 
 
 
-def run_ahead_buffers(loop, iterations: int, kept: int) -> tuple:
+def run_ahead_buffers(loop, iterations: int, kept: int, one_at_a_time: bool = False) -> tuple:
     """(count, bytes each) of a `Loop`'s values computed ahead
     (`Loop.ahead_bytes`) at their most during a run of `iterations`
     iterations, above the `kept` bytes the run leaves (stacks or boundaries,
     which grow as the values ahead are used up): min(P, n) iterations' values
-    at first, less what they will keep, max(0, ahead - kept / n) each.
+    at first, less what they will keep, max(0, ahead - kept / n) each. P is
+    the loop's `parallel_iterations`, 1 for the chunks the rewrite reruns
+    (`one_at_a_time`).
 
     Example: an LSTM's 64 KiB input projection, 16 iterations, 32 in
     parallel: 16 of 64 KiB when the run keeps nothing, none when it keeps a
     stack of 128 KiB per iteration.
     """
     n = max(iterations, 1)
-    return min(loop.parallel_iterations, n), max(0, loop.ahead_bytes - kept // n)
+    parallel = 1 if one_at_a_time else loop.parallel_iterations
+    return min(parallel, n), max(0, loop.ahead_bytes - kept // n)

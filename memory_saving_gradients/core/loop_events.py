@@ -55,14 +55,15 @@ class LoopEvents:
             kept = loop_chunking.stacked_bytes(loop)
         if kept is not None:
             self._alloc(("loop", where, op), kept)
-        # Over a chain of chunks, per chunk (its share of the boundaries: none).
-        self._run_ahead(op, where, loop, run, kept if kept is not None and run == trips else 0)
+        # A chain of chunks runs one iteration at a time (its share of the boundaries: none).
+        chain = run < trips
+        self._run_ahead(op, where, loop, run, 0 if chain or kept is None else kept, chain)
 
-    def _run_ahead(self, op, where, loop, iterations, kept):
+    def _run_ahead(self, op, where, loop, iterations, kept, one_at_a_time=False):
         """The values a run of `loop` computes ahead of its recurrence
         (`loop_chunking.run_ahead_buffers`): separate buffers, alive in this
         step only."""
-        count, size = loop_chunking.run_ahead_buffers(loop, iterations, kept)
+        count, size = loop_chunking.run_ahead_buffers(loop, iterations, kept, one_at_a_time)
         for number in range(count if size else 0):
             self._alloc(("ahead", where, op, number), size)
 
@@ -77,7 +78,7 @@ class LoopEvents:
             self._scratch(stacks + loop_chunking.rewritten_bytes(loop)
                           + (loop_chunking.boundary_bytes(loop) if chain else 0))
             self._run_ahead(op, where + ("chunk",), loop,
-                            min(loop.chunk_size, max(loop.trip_count or 1, 1)), stacks)
+                            min(loop.chunk_size, max(loop.trip_count or 1, 1)), stacks, True)
             runs = 2 if chain else 1
             self.recompute_flops += runs * self.tensors[self.model.op_outputs[op][0]].cost
         else:
