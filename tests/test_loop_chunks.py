@@ -393,3 +393,34 @@ def test_second_gradients_call_reuses_the_saved_states(chunk_size):
 
     graph = _ours_alone_vs_stock(build, [tf.constant(_normal((2, 7, 3)))])
     assert _loop_runs(graph) == (1, 14)
+
+
+class _RunningSum:
+    """A loop carrying h and a scalar running sum of |h|, which the loss weighs
+    by a constant (an adaptive-computation 'ponder cost'): the sum's gradient
+    is a constant carried unchanged through each chunk's gradient loop."""
+
+    def __init__(self):
+        self.w = tf.Variable(_normal((5, 5), 0.4, seed=2))
+
+    def __call__(self, x):
+        steps = x.shape[1]
+
+        def body(t, h, total):
+            h = tf.tanh(tf.matmul(h, self.w) + x[:, t])
+            return t + 1, h, total + tf.reduce_mean(tf.abs(h))
+
+        _, h, total = tf.while_loop(lambda t, *_: t < steps, body,
+                                    [tf.constant(0), tf.zeros([x.shape[0], 5]), tf.constant(0.0)],
+                                    maximum_iterations=steps)
+        return tf.reduce_sum(h * h) + 0.1 * total, [x, self.w], h
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_a_constant_gradient_carried_through_the_chunks(chunk_size, jit):
+    # Found by a review: under XLA this failed to compile ("Propagate: Cannot
+    # find body function ..._const_0"): XLA's bridge propagates the constant
+    # into the chunk's gradient loop and loses the body it made
+    # (loop_rerun._unfoldable).
+    chunk_size(3)
+    _ours_alone_vs_stock(_RunningSum(), [tf.constant(_normal((2, 7, 5)))], jit=jit)

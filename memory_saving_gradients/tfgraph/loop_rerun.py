@@ -9,6 +9,7 @@ import tensorflow as tf
 
 from memory_saving_gradients.tfgraph import compat
 from memory_saving_gradients.tfgraph import loop_recording
+from memory_saving_gradients.tfgraph import gradient_waits
 from memory_saving_gradients.tfgraph.gradient_waits import gradient_values
 from memory_saving_gradients.tfgraph.gradient_waits import is_numeric
 from memory_saving_gradients.tfgraph.gradient_waits import wait_for_gradient
@@ -32,9 +33,26 @@ def differentiate_rerun(graph, inputs, grads, rerun):
     if arrived and tied is not None:
         inputs[tied] = wait_for_gradient(inputs[tied], arrived[0])
     outputs = rerun(inputs)
+    if compat.in_xla_context(graph) and tied is not None:
+        grads = _unfoldable(grads, inputs[tied])
     partials = compat.stock_gradients([outputs[i] for i in wanted], inputs[2:],
                                 [grads[i] for i in wanted])
     return [None, None] + list(partials)
+
+
+def _unfoldable(grads, state):
+    """`grads` that XLA cannot take for constants: each dense float one plus
+    a zero read from `state` (`gradient_waits.seed_after_gate`).
+
+    A constant gradient (a loss's `0.1 * running_sum`) carried unchanged
+    through the stock gradient's While is propagated into its body by XLA's
+    bridge, which then fails to find the body it made for a loop nested in
+    another loop's gradient ("Propagate: Cannot find body function
+    ..._const_0"), as the gradients of our chunks are.
+    """
+    never = gradient_waits.gate([state])
+    return [gradient_waits.seed_after_gate(g, never)
+            if isinstance(g, tf.Tensor) and g.dtype.is_floating else g for g in grads]
 
 
 def _first_float(inputs):
