@@ -51,8 +51,16 @@ def loop_facts(loop: tf.Operation, rerunnable: bool) -> Loop:
                                 if t.dtype.is_floating),
                 chunk_size=size, states_saved_in_place=in_place,
                 states_saved_when_recomputed=when_recomputed,
-                ahead_bytes=ahead_bytes(loop),
-                parallel_iterations=loop.get_attr("parallel_iterations"))
+                ahead_bytes=ahead_bytes(loop), parallel_iterations=_parallel_iterations(loop))
+
+
+def _parallel_iterations(loop: tf.Operation) -> int:
+    """The loop's `parallel_iterations`; the op's default (10) where a graph
+    imported without default attributes lacks it."""
+    try:
+        return loop.get_attr("parallel_iterations")
+    except ValueError:
+        return 10
 
 
 def ahead_bytes(loop: tf.Operation) -> int:
