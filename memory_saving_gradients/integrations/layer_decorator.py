@@ -24,6 +24,7 @@ import functools
 import inspect
 import logging
 import os
+import sys
 import threading
 from typing import Callable, Mapping, Optional
 
@@ -103,16 +104,23 @@ def recompute_grad(call: Callable) -> Callable:
 
     @functools.wraps(call)
     def recomputed_call(self, *args, **kwargs):
-        if not isinstance(self, keras.layers.Layer):
+        if not isinstance(self, _layer_types()):
             raise TypeError(
                 f"@recompute_grad decorates the call method of a keras.layers.Layer "
-                f"subclass, but {call.__qualname__} was called on a "
-                f"{type(self).__name__}; subclass keras.layers.Layer")
+                f"subclass (Keras 3, or tf_keras's), but {call.__qualname__} was called "
+                f"on a {type(self).__name__}; subclass keras.layers.Layer")
         if not recompute_enabled() or getattr(_building, "depth", 0) or _builds_plainly(self):
             return call(self, *args, **kwargs)
         return _call_as_segment(call, self, args, kwargs)
 
-    return recomputed_call
+    return compat.wraps_for_tf_inspect(call, recomputed_call)
+
+
+def _layer_types() -> tuple:
+    """Keras 3's Layer, and legacy tf_keras's (`TF_USE_LEGACY_KERAS=1`) once
+    the process has imported it: a layer of it was built from that import."""
+    legacy = sys.modules.get("tf_keras")
+    return (keras.layers.Layer,) + ((legacy.layers.Layer,) if legacy is not None else ())
 
 
 def _builds_plainly(layer: keras.layers.Layer) -> bool:
@@ -140,7 +148,7 @@ def _check_is_call_method(obj) -> None:
              "keras.layers.Layer subclass, or subclass an existing layer: "
              "`class MyDense(keras.layers.Dense): @recompute_grad def call(self, "
              "inputs): return super().call(inputs)`")
-    if inspect.isclass(obj) or isinstance(obj, keras.layers.Layer):
+    if inspect.isclass(obj) or isinstance(obj, _layer_types()):
         raise TypeError(f"@recompute_grad got {obj!r}, a layer or class, not its "
                         f"call method: {usage}")
     if inspect.ismethod(obj):

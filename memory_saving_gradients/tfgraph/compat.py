@@ -392,3 +392,10 @@ def replace_control_input(op: tf.Operation, old: tf.Operation, new: tf.Operation
     kept = [c for c in op.control_inputs if c is not old]
     op._remove_all_control_inputs()  # pylint: disable=protected-access
     op._add_control_inputs(kept + ([new] if new not in kept else []))  # pylint: disable=protected-access
+
+
+def wraps_for_tf_inspect(target, wrapper):
+    """`wrapper` made to report `target`'s signature to TensorFlow's own
+    inspection (tf_inspect, which tf_keras reads to decide whether to pass
+    `training=` and `mask=`), as `functools.wraps` does for `inspect`."""
+    return tf.__internal__.decorator.make_decorator(target, wrapper)
