@@ -144,3 +144,38 @@ def test_nothing_is_ahead_under_xla():
 
     step.get_concrete_function(tf.TensorSpec([4, BATCH, WIDTH], tf.float32))
     assert found["ahead"] == 0
+
+
+def _ahead_bytes_of(body, cond=lambda i, *_: i < 8, extra=()):
+    """`loop_memory.ahead_bytes` of a tf.while_loop over (i, h [BATCH, WIDTH], *extra)."""
+    from memory_saving_gradients.tfgraph import loop_memory
+    found = {}
+
+    @tf.function
+    def step(xs):
+        outputs = tf.while_loop(cond, lambda *v: body(xs, *v),
+                                [0, tf.zeros([BATCH, WIDTH]), *extra], maximum_iterations=8)
+        found["ahead"] = loop_memory.ahead_bytes(outputs[1].op)
+        return outputs[1]
+
+    step.get_concrete_function(tf.TensorSpec([8, BATCH, WIDTH], tf.float32))
+    return found["ahead"]
+
+
+def test_nothing_is_ahead_where_the_next_iteration_waits_for_the_state():
+    # Found by a review: the next iteration starts once its condition is
+    # decided, so nothing runs ahead of a condition reading h (measured 3.1 MiB
+    # where 4.3 was predicted with values ahead counted), nor of a read at a
+    # carried index computed from h (a greedy decoder's token).
+    w = tf.Variable(np.eye(WIDTH, dtype=np.float32))
+
+    def projected(xs, i, h):
+        return i + 1, tf.tanh(tf.gather(xs, i) @ w + h)
+
+    def read_at_token(xs, i, h, token):
+        h = tf.tanh(tf.gather(xs, token) @ w + h)
+        return i + 1, h, tf.cast(tf.reduce_sum(h) > 0, tf.int32)
+
+    assert _ahead_bytes_of(projected) == STEP_BYTES
+    assert _ahead_bytes_of(projected, cond=lambda i, h: tf.reduce_max(h) < 2.0) == 0
+    assert _ahead_bytes_of(read_at_token, extra=(0,)) == 0

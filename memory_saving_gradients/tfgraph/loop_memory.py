@@ -70,28 +70,48 @@ def ahead_bytes(loop: tf.Operation) -> int:
     soon as their inputs exist, so it computes these for later iterations
     while the recurrence is still on earlier ones, each held until its
     iteration's state arrives (measured: a Keras LSTM of 16 steps holding 17
-    projections of 64 KiB at once). The carried state is what the body
-    changes but counters: its float tensors and lists. None under XLA, which
-    compiles the loop."""
+    projections of 64 KiB at once).
+
+    The carried state is what the body changes but counters: its float
+    tensors and lists, and any value computed from them (an index read from
+    h). None where the condition reads the state (the next iteration starts
+    only once it is decided), and under XLA, which compiles the loop.
+    """
     if compat.in_xla_context(loop.graph):
         return 0
     try:
-        body = (compat.traced_function_graph(loop, "body")
-                or compat.while_function_graph(loop, loop.get_attr("body").name))
+        body, cond = ((compat.traced_function_graph(loop, part)
+                       or compat.while_function_graph(loop, loop.get_attr(part).name))
+                      for part in ("body", "cond"))
     except (KeyError, ValueError):
         return 0
-    dependent = set()
-    reached = [t for t, out in zip(body.inputs, body.outputs)
-               if (t.dtype.is_floating or t.dtype == tf.variant) and _passed_on(out) is not t]
-    while reached:
-        for op in reached.pop().consumers():
-            if op not in dependent:
-                dependent.add(op)
-                reached.extend(op.outputs)
+    carried = [_passed_on(out) is not t for t, out in zip(body.inputs, body.outputs)]
+    state = {i for i, t in enumerate(body.inputs)
+             if carried[i] and (t.dtype.is_floating or t.dtype == tf.variant)}
+    while True:
+        dependent = _ops_reading(body.inputs[i] for i in state)
+        more = {i for i, out in enumerate(body.outputs)
+                if carried[i] and i not in state and _passed_on(out).op in dependent}
+        if not more:
+            break
+        state |= more
+    if _ops_reading(cond.inputs[i] for i in state if i < len(cond.inputs)):
+        return 0
     return sum(op_kinds.tensor_bytes(t) for op in body.get_operations()
                if op not in dependent and op.inputs and op.type not in _VIEW_OP_TYPES
                for t in op.outputs
                if t.dtype.is_floating and any(c in dependent for c in t.consumers()))
+
+
+def _ops_reading(tensors) -> set:
+    """The ops that read `tensors`, directly or through other such ops."""
+    found, todo = set(), list(tensors)
+    while todo:
+        for op in todo.pop().consumers():
+            if op not in found:
+                found.add(op)
+                todo.extend(op.outputs)
+    return found
 
 
 def _passed_on(tensor: tf.Tensor) -> tf.Tensor:
