@@ -30,25 +30,29 @@ def chunked_bytes(trip_count: int, size: int, state_bytes: int, step_bytes: int)
     return math.ceil(trip_count / size) * state_bytes + size * step_bytes
 
 
+def trips(loop) -> int:
+    """A `core.model.Loop`'s iteration count, 1 when unknown or zero."""
+    return max(loop.trip_count or 1, 1)
+
+
 def stacked_bytes(loop) -> int:
     """What a `core.model.Loop`'s stock gradient keeps: every iteration's stacks."""
-    return loop.iteration_bytes * max(loop.trip_count or 1, 1)
+    return loop.iteration_bytes * trips(loop)
 
 
 def boundary_bytes(loop) -> int:
     """What a chunked `Loop` keeps for backprop: its ceil(T/k) chunk-boundary states."""
-    return math.ceil(max(loop.trip_count or 1, 1) / loop.chunk_size) * loop.state_bytes
+    return math.ceil(trips(loop) / loop.chunk_size) * loop.state_bytes
 
 
 def chunk_stack_bytes(loop) -> int:
     """The stacks of one chunk, alive while that chunk's gradient runs."""
-    return min(loop.chunk_size, max(loop.trip_count or 1, 1)) * loop.iteration_bytes
+    return min(loop.chunk_size, trips(loop)) * loop.iteration_bytes
 
 
 def rewritten_bytes(loop) -> int:
     """What a rerun of a `Loop` writes into its lists again (its output sequence)."""
-    return loop.written_bytes * max(loop.trip_count or 1, 1)
-
+    return loop.written_bytes * trips(loop)
 
 
 def run_ahead_buffers(loop, iterations: int, kept: int, one_at_a_time: bool = False) -> tuple:

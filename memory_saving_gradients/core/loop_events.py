@@ -42,7 +42,7 @@ class LoopEvents:
         is without saved boundaries makes them in its gradient.
         """
         original = where == ("fwd",)
-        trips = max(loop.trip_count or 1, 1)
+        trips = loop_chunking.trips(loop)
         kept, run = None, trips
         if self._chunked(op, loop):
             if original == self._saves_states(op, loop):
@@ -78,7 +78,7 @@ class LoopEvents:
             self._scratch(stacks + loop_chunking.rewritten_bytes(loop)
                           + (loop_chunking.boundary_bytes(loop) if chain else 0))
             self._run_ahead(op, where + ("chunk",), loop,
-                            min(loop.chunk_size, max(loop.trip_count or 1, 1)), stacks, True)
+                            min(loop.chunk_size, loop_chunking.trips(loop)), stacks, True)
             runs = 2 if chain else 1
             self.recompute_flops += runs * self.tensors[self.model.op_outputs[op][0]].cost
         else:
