@@ -10,9 +10,6 @@ import tensorflow as tf
 from memory_saving_gradients.tfgraph import compat
 from memory_saving_gradients.tfgraph import loop_recording
 from memory_saving_gradients.tfgraph import gradient_waits
-from memory_saving_gradients.tfgraph.gradient_waits import gradient_values
-from memory_saving_gradients.tfgraph.gradient_waits import is_numeric
-from memory_saving_gradients.tfgraph.gradient_waits import wait_for_gradient
 
 
 def differentiate_rerun(graph, inputs, grads, rerun):
@@ -25,13 +22,14 @@ def differentiate_rerun(graph, inputs, grads, rerun):
     making them (then made after the gradient arrived too).
     """
     wanted = [i for i, g in enumerate(grads) if g is not None]
-    arrived = [grads[i] for i in wanted if is_numeric(gradient_values(grads[i]).dtype)]
-    with graph.control_dependencies([gradient_values(g).op for g in arrived]):
+    values = gradient_waits.gradient_values
+    arrived = [grads[i] for i in wanted if gradient_waits.is_numeric(values(grads[i]).dtype)]
+    with graph.control_dependencies([values(g).op for g in arrived]):
         inputs = list(inputs() if callable(inputs) else inputs)
         inputs = inputs[:2] + [tf.identity(t) for t in inputs[2:]]
     tied = _first_float(inputs)
     if arrived and tied is not None:
-        inputs[tied] = wait_for_gradient(inputs[tied], arrived[0])
+        inputs[tied] = gradient_waits.wait_for_gradient(inputs[tied], arrived[0])
     outputs = rerun(inputs)
     if compat.in_xla_context(graph) and tied is not None:
         grads = _unfoldable(grads, inputs[tied])
