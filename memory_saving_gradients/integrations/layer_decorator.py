@@ -33,7 +33,7 @@ import tensorflow as tf
 
 from memory_saving_gradients import api
 from memory_saving_gradients.integrations import patching
-from memory_saving_gradients.tfgraph import captures, compat, gradient_waits
+from memory_saving_gradients.tfgraph import captures, compat, gradient_waits, graph_walks
 from memory_saving_gradients.tfgraph import ledger
 
 logger = logging.getLogger("memory_saving_gradients")
@@ -267,11 +267,8 @@ def _wait(gradient, layer_gate):
 
 def _reached_from(sources: list, body_ops: list) -> set:
     """ids of the sources and of the outputs of body ops depending on one (O(body))."""
-    reached = {id(t) for t in sources}
-    for op in body_ops:
-        if any(id(t) in reached for t in op.inputs):
-            reached.update(id(t) for t in op.outputs)
-    return reached
+    reached = graph_walks.ops_reading(sources, within=set(body_ops))
+    return {id(t) for t in sources} | {id(t) for op in reached for t in op.outputs}
 
 
 def _readers_in_body(graph, body_ops: list, variable) -> tuple:

@@ -18,7 +18,9 @@ import tensorflow as tf
 
 from memory_saving_gradients.core.model import Loop
 from memory_saving_gradients.tfgraph import compat
+from memory_saving_gradients.tfgraph import graph_walks
 from memory_saving_gradients.tfgraph import loop_chunks
+from memory_saving_gradients.tfgraph import loop_recording
 from memory_saving_gradients.tfgraph import op_kinds
 
 _PUSH_OP_TYPE = "TensorListPushBack"
@@ -85,40 +87,22 @@ def ahead_bytes(loop: tf.Operation) -> int:
                       for part in ("body", "cond"))
     except (KeyError, ValueError):
         return 0
-    carried = [_passed_on(out) is not t for t, out in zip(body.inputs, body.outputs)]
+    carried = [not loop_recording.is_invariant(body, i) for i in range(len(body.outputs))]
     state = {i for i, t in enumerate(body.inputs)
              if carried[i] and (t.dtype.is_floating or t.dtype == tf.variant)}
     while True:
-        dependent = _ops_reading(body.inputs[i] for i in state)
-        more = {i for i, out in enumerate(body.outputs)
-                if carried[i] and i not in state and _passed_on(out).op in dependent}
+        dependent = graph_walks.ops_reading(body.inputs[i] for i in state)
+        more = {i for i in range(len(body.outputs)) if carried[i] and i not in state
+                and loop_recording.returned_value(body, i).op in dependent}
         if not more:
             break
         state |= more
-    if _ops_reading(cond.inputs[i] for i in state if i < len(cond.inputs)):
+    if graph_walks.ops_reading(cond.inputs[i] for i in state if i < len(cond.inputs)):
         return 0
     return sum(op_kinds.tensor_bytes(t) for op in body.get_operations()
                if op not in dependent and op.inputs and op.type not in _VIEW_OP_TYPES
                for t in op.outputs
                if t.dtype.is_floating and any(c in dependent for c in t.consumers()))
-
-
-def _ops_reading(tensors) -> set:
-    """The ops that read `tensors`, directly or through other such ops."""
-    found, todo = set(), list(tensors)
-    while todo:
-        for op in todo.pop().consumers():
-            if op not in found:
-                found.add(op)
-                todo.extend(op.outputs)
-    return found
-
-
-def _passed_on(tensor: tf.Tensor) -> tf.Tensor:
-    """`tensor` before the Identity ops a body returns it through."""
-    while tensor.op.type == "Identity":
-        tensor = tensor.op.inputs[0]
-    return tensor
 
 
 def list_bytes(t: tf.Tensor) -> int:

@@ -138,10 +138,24 @@ def _function(loop, part):
     return graph
 
 
+def returned_value(body, index) -> tf.Tensor:
+    """What `body` returns as its loop variable `index`, before the Identity
+    ops it is passed on through."""
+    returned = body.outputs[index]
+    while returned.op.type in _PASS_THROUGH:
+        returned = returned.op.inputs[0]
+    return returned
+
+
+def is_invariant(body, index) -> bool:
+    """True if `body` returns its loop variable `index` unchanged."""
+    return returned_value(body, index) is body.inputs[index]
+
+
 def _kind(body, index) -> Optional[str]:
     """'invariant', 'written' (a list only written to), 'saved' or None (cannot)."""
-    given, returned = body.inputs[index], body.outputs[index]
-    if returned is given or (returned.op.type in _PASS_THROUGH and returned.op.inputs[0] is given):
+    given = body.inputs[index]
+    if is_invariant(body, index):
         return "invariant"
     if given.dtype == tf.variant:
         return "written" if _only_written(given) else None

@@ -22,6 +22,7 @@ from memory_saving_gradients.tfgraph import compat
 from memory_saving_gradients.tfgraph import gradient_order
 from memory_saving_gradients.tfgraph import gradient_reads
 from memory_saving_gradients.tfgraph import graph_cache
+from memory_saving_gradients.tfgraph import graph_walks
 from memory_saving_gradients.tfgraph import loop_memory
 from memory_saving_gradients.tfgraph import loops
 from memory_saving_gradients.tfgraph import op_kinds
@@ -94,13 +95,7 @@ def region_ops(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor]) -> list:
 
     Linear in the size of the graph.
     """
-    reached = set()
-    stack = [c for x in xs for c in x.consumers()]
-    while stack:
-        op = stack.pop()
-        if op not in reached:
-            reached.add(op)
-            stack.extend(c for o in op.outputs for c in o.consumers())
+    reached = graph_walks.ops_reading(xs)
     between = set()
     stack = [y.op for y in ys]
     while stack:
