@@ -51,13 +51,24 @@ class LoopEvents:
                 run = min(loop.chunk_size, trips)
         elif not original:  # rerun whole: its stacks, and its lists written again
             kept = loop_chunking.stacked_bytes(loop) + loop_chunking.rewritten_bytes(loop)
+            self._hold_list_items_once(where, loop, trips)
         elif op not in self.copied:
             kept = loop_chunking.stacked_bytes(loop)
+            self._hold_list_items_once(where, loop, trips)
         if kept is not None:
             self._alloc(("loop", where, op), kept)
         # A chain of chunks runs one iteration at a time (its share of the boundaries: none).
         chain = run < trips
         self._run_ahead(op, where, loop, run, 0 if chain or kept is None else kept, chain)
+
+    def _hold_list_items_once(self, where, loop, trips):
+        """A run that keeps its stacks: the output lists' items the stacks
+        hold too (`Loop.stacked_items`) are no buffers of their own."""
+        for name, size in loop.stacked_items:
+            key = where + (name,)
+            if key in self.born:
+                start, whole = self.born[key]
+                self.born[key] = (start, max(0, whole - size * trips))
 
     def _run_ahead(self, op, where, loop, iterations, kept, one_at_a_time=False):
         """The values a run of `loop` computes ahead of its recurrence

@@ -17,7 +17,7 @@ Vocabulary used across the package:
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Mapping, Optional
+from typing import Iterable, Mapping, Optional, Tuple
 
 import networkx as nx
 
@@ -72,6 +72,10 @@ class Loop:
         executor computes them up to `parallel_iterations` iterations ahead,
         each held until its iteration's state arrives.
       parallel_iterations: how many iterations the executor may run at once.
+      stacked_items: (name of an output list the model counts, bytes per
+        iteration) for each item the body writes into such a list that its
+        stacks hold too (a scan's h_t): a run that keeps its stacks holds
+        those list items once.
     """
     trip_count: Optional[int]
     iteration_bytes: int
@@ -82,6 +86,7 @@ class Loop:
     states_saved_when_recomputed: bool = True
     ahead_bytes: int = 0
     parallel_iterations: int = 1
+    stacked_items: Tuple[Tuple[str, int], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

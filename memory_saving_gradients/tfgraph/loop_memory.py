@@ -44,11 +44,14 @@ def loop_facts(loop: tf.Operation, rerunnable: bool) -> Loop:
     stacked, written = iteration_bytes(loop)
     # A list the model sees the bytes of (an output sequence) is counted as
     # the loop's output already, in the forward pass and in a rerun.
-    unseen = sum(size for index, size in written
-                 if index is None or list_bytes(loop.outputs[index])
-                 == op_kinds.tensor_bytes(loop.outputs[index]))
+    seen = [index is not None and list_bytes(loop.outputs[index])
+            != op_kinds.tensor_bytes(loop.outputs[index]) for index, _, _ in written]
     return Loop(trip_count=loop_chunks.trip_bound(loop), iteration_bytes=stacked,
-                written_bytes=unseen,
+                written_bytes=sum(size for (_, size, _), known in zip(written, seen)
+                                  if not known),
+                stacked_items=tuple((loop.outputs[index].name, size)
+                                    for (index, size, held), known in zip(written, seen)
+                                    if known and held),
                 state_bytes=sum(op_kinds.tensor_bytes(t) for t in loop.inputs[2:]
                                 if t.dtype.is_floating),
                 chunk_size=size, states_saved_in_place=in_place,
@@ -151,8 +154,9 @@ def loop_cost(loop: tf.Operation) -> int:
 
 def iteration_bytes(loop: tf.Operation) -> tuple:
     """(bytes the stock gradient of `loop` stacks, ((index of the loop
-    variable holding the list or None, bytes) of each write its body makes
-    into a TensorList it carries)) per iteration; (0, ()) if unknown."""
+    variable holding the list or None, bytes, whether the stacks hold that
+    item too) of each write its body makes into a TensorList it carries))
+    per iteration; (0, ()) if unknown."""
     key = (loop.get_attr("body").name,
            tuple((t.dtype.name, str(t.shape)) for t in loop.inputs))
     if key not in _MEASURED:
@@ -162,18 +166,42 @@ def iteration_bytes(loop: tf.Operation) -> tuple:
 
 def _measure(loop):
     try:
-        written, pushed = _probe(loop)
+        written, pushed, held = _probe(loop)
     except Exception:  # pylint: disable=broad-except  # a loop we cannot probe: unknown
         return 0, ()
     traced = compat.traced_function_graph(loop, "body")
     return (sum(_bytes(t, traced) for t in pushed if t.op.type not in _SHARED_BUFFER_OP_TYPES),
-            tuple((index, _bytes(t, traced)) for index, t in written))
+            tuple((index, _bytes(t, traced), loop_recording.passed_through(t).ref() in held)
+                  for index, t in written))
+
+
+def _stacked_buffers(body, pushed: list) -> tuple:
+    """(the tensors of `pushed` that hold a buffer of their own each
+    iteration, Tensor.ref()s of every body value the stacks hold).
+
+    A tensor pushed under several names (Identity ops) is one buffer. So is a
+    value the body returns as loop variable i when the stacks also take input
+    i: what iteration t pushes as its result, iteration t + 1 pushes again as
+    its input (measured: tanh(h @ W) keeps one [B, H] buffer per iteration,
+    not two, though the gradients of tanh and of the matmul push both).
+    """
+    buffers = {}  # Tensor.ref() of a buffer -> one tensor holding it
+    for t in pushed:
+        buffers.setdefault(loop_recording.passed_through(t).ref(), t)
+    held = set(buffers)
+    for index, given in enumerate(body.inputs[:len(body.outputs)]):
+        returned = loop_recording.returned_value(body, index)
+        if given.ref() in held and returned is not given:
+            held.add(returned.ref())
+            buffers.pop(returned.ref(), None)
+    return list(buffers.values()), held
 
 
 def _probe(loop):
     """(the body tensors written into lists, those while_v2's gradient pushes
-    onto its stacks) per iteration, for a copy of `loop` on a scratch graph
-    (the user's graph is left untouched)."""
+    onto its stacks, the buffers these hold: `_stacked_buffers`) per
+    iteration, for a copy of `loop` on a scratch graph (the user's graph is
+    left untouched)."""
     scratch = tf.Graph()
     with scratch.as_default():
         inputs = [tf.compat.v1.placeholder(t.dtype, t.shape) for t in loop.inputs]
@@ -197,8 +225,8 @@ def _probe(loop):
                  for t in copy.outputs]
         compat.gradient_function(copy)(copy, *seeds)
         body = compat.traced_function_graph(copy, "body")
-        return written, [op.inputs[1] for op in body.get_operations()
-                         if op.type == _PUSH_OP_TYPE]
+        return (written, *_stacked_buffers(body, [op.inputs[1] for op in body.get_operations()
+                                                  if op.type == _PUSH_OP_TYPE]))
 
 
 def _list_items(body):

@@ -138,13 +138,17 @@ def _function(loop, part):
     return graph
 
 
+def passed_through(tensor: tf.Tensor) -> tf.Tensor:
+    """`tensor` before the Identity ops it is passed on through (one buffer)."""
+    while tensor.op.type in _PASS_THROUGH:
+        tensor = tensor.op.inputs[0]
+    return tensor
+
+
 def returned_value(body, index) -> tf.Tensor:
     """What `body` returns as its loop variable `index`, before the Identity
     ops it is passed on through."""
-    returned = body.outputs[index]
-    while returned.op.type in _PASS_THROUGH:
-        returned = returned.op.inputs[0]
-    return returned
+    return passed_through(body.outputs[index])
 
 
 def is_invariant(body, index) -> bool:
