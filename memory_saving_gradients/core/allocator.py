@@ -147,12 +147,14 @@ def _merged(chunk, neighbour):
     return first
 
 
-def lifetime_events(born, last_use, transient):
+def lifetime_events(born, last_use, transient, pieces=None):
     """Buffers with lifetimes as allocator events, in time order.
 
     born: key -> (step, bytes); last_use: key -> the last step it is read
     (infinite: held to the end); transient: (step, bytes) of scratch alive
-    during one step. Within a step the op's outputs are allocated first, then
+    during one step; pieces: key -> n for a key that stands for n equal
+    buffers with one lifetime (a loop's per-iteration stacks), allocated one
+    by one. Within a step the op's outputs are allocated first, then
     its scratch (allocated and freed while it runs), then the buffers it read
     for the last time are freed: TensorFlow's executor drops an op's inputs
     after the op has computed (and allocated) its outputs. Buffers held to
@@ -160,17 +162,27 @@ def lifetime_events(born, last_use, transient):
     0-byte buffers (aliases) allocate nothing.
     """
     timed = []
-    for key, (step, size) in born.items():
-        if size:
-            timed.append((step, 0, len(timed), ("alloc", key, size)))
+    for key, (step, whole) in born.items():
+        count = (pieces or {}).get(key, 1)
+        for number, size in enumerate(_split(whole, count)):
+            piece = (key, number) if count > 1 else key
+            timed.append((step, 0, len(timed), ("alloc", piece, size)))
             if last_use[key] != math.inf:
-                timed.append((last_use[key], 2, len(timed), ("free", key)))
+                timed.append((last_use[key], 2, len(timed), ("free", piece)))
     for number, (step, size) in enumerate(transient):
         key = ("scratch", number)
         timed.append((step, 1, len(timed), ("alloc", key, size)))
         timed.append((step, 1, len(timed), ("free", key)))
     timed.sort(key=lambda item: item[:3])
     return [item[3] for item in timed]
+
+
+def _split(size: int, count: int) -> list:
+    """`size` bytes as `count` near-equal nonzero parts (none for 0 bytes)."""
+    if not size:
+        return []
+    count = max(1, min(count, size))
+    return [size // count + (1 if number < size % count else 0) for number in range(count)]
 
 
 def peak_chunk_bytes(events, held_before=(), warm_up: bool = True) -> int:

@@ -10,6 +10,8 @@ runs.
 
 from __future__ import annotations
 
+import math
+
 from memory_saving_gradients.core import loop_chunking
 
 
@@ -44,9 +46,11 @@ class LoopEvents:
         original = where == ("fwd",)
         trips = loop_chunking.trips(loop)
         kept, run = None, trips
+        buffers = trips  # a stack's buffers: one per iteration
         if self._chunked(op, loop):
             if original == self._saves_states(op, loop):
                 kept = loop_chunking.boundary_bytes(loop)
+                buffers = math.ceil(trips / loop.chunk_size)
             if not original:  # a chain of chunks, each a loop of its own
                 run = min(loop.chunk_size, trips)
         elif not original:  # rerun whole: its stacks, and its lists written again
@@ -57,6 +61,7 @@ class LoopEvents:
             self._hold_list_items_once(where, loop, trips)
         if kept is not None:
             self._alloc(("loop", where, op), kept)
+            self.pieces[("loop", where, op)] = buffers
         # A chain of chunks runs one iteration at a time (its share of the boundaries: none).
         chain = run < trips
         self._run_ahead(op, where, loop, run, 0 if chain or kept is None else kept, chain)

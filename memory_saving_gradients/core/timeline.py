@@ -148,7 +148,8 @@ def _is_stock(plan: Optional[Plan]) -> bool:
 
 def _allocator_peak(replay, levels):
     replay.run(levels)
-    events = allocator.lifetime_events(replay.born, replay.last_use, replay.transient)
+    events = allocator.lifetime_events(replay.born, replay.last_use, replay.transient,
+                                       replay.pieces)
     # The variables (each the size of its gradient) were allocated before the step.
     variables = replay.model.weight_grad_bytes.values()
     return (allocator.peak_chunk_bytes(events, held_before=variables)
@@ -225,6 +226,7 @@ class _Replay(LoopEvents):
         self.born = {}      # buffer key -> (first step, bytes)
         self.last_use = {}  # buffer key -> last step it is read
         self.transient = []  # (step, bytes) of scratch buffers
+        self.pieces = {}    # buffer key -> how many separate buffers it stands for
         self.pending = {}   # tensor name -> keys of gradient parts waiting for its op
         self.alias = {}     # buffer key -> the key whose buffer it shares
         self.weight_keys = set()  # buffer keys of the weight gradients
