@@ -192,9 +192,32 @@ def while_function_graph_in(loop: tf.Operation, name: str, graph: tf.Graph):
     if owner is None:
         raise KeyError(f"function {name} of {loop.name} not found")
     definition = owner._get_function(name).cached_definition  # pylint: disable=protected-access
+    _add_called_functions(definition, owner, graph)
     shapes = [tf.TensorShape(s) for s in loop.get_attr("output_shapes")]
     with graph.as_default():
         return function_def_to_graph.function_def_to_graph(definition, input_shapes=shapes)
+
+
+def _add_called_functions(definition, owner: tf.Graph, graph: tf.Graph) -> None:
+    """Registers in `graph` the functions `definition` calls through function
+    attributes (a nested loop's cond and body), and those they call, found in
+    `owner` or a graph it is built in."""
+    todo = [definition]
+    while todo:
+        for node in todo.pop().node_def:
+            for attr in node.attr.values():
+                names = [attr.func.name] if attr.HasField("func") else [
+                    f.name for f in attr.list.func]
+                for name in names:
+                    if not name or graph._is_function(name):  # pylint: disable=protected-access
+                        continue
+                    found, where = None, owner
+                    while found is None and where is not None:
+                        found = where._get_function(name)  # pylint: disable=protected-access
+                        where = getattr(where, "outer_graph", None)
+                    if found is not None:
+                        graph._add_function(found)  # pylint: disable=protected-access
+                        todo.append(found.cached_definition)
 
 
 def traced_function_graph(loop: tf.Operation, part: str):

@@ -28,6 +28,7 @@ _PUSH_OP_TYPE = "TensorListPushBack"
 _ITEM_INPUT = {"TensorListSetItem": 2, _PUSH_OP_TYPE: 1}
 # (body function name, input dtypes and shapes) -> iteration_bytes, per process.
 _MEASURED = {}
+_LOOP_OP_TYPES = frozenset({"While", "StatelessWhile"})
 # Pushed tensors that share a buffer kept anyway (a variable's value).
 _SHARED_BUFFER_OP_TYPES = frozenset({"ReadVariableOp"})
 # Body ops whose output is a buffer held elsewhere (a list's item, a variable's
@@ -170,9 +171,30 @@ def _measure(loop):
     except Exception:  # pylint: disable=broad-except  # a loop we cannot probe: unknown
         return 0, ()
     traced = compat.traced_function_graph(loop, "body")
-    return (sum(_bytes(t, traced) for t in pushed if t.op.type not in _SHARED_BUFFER_OP_TYPES),
+    return (_pushed_bytes(pushed, traced),
             tuple((index, _bytes(t, traced), loop_recording.passed_through(t).ref() in held)
                   for index, t in written))
+
+
+def _pushed_bytes(pushed: list, traced: Optional[tf.Graph]) -> int:
+    """Bytes an iteration's pushes keep: the tensors', and for the stacks of a
+    loop nested in the body (pushed as that loop's TensorLists), T of its own
+    iterations' pushes."""
+    nested = {t.op for t in pushed if t.dtype == tf.variant and t.op.type in _LOOP_OP_TYPES}
+    return (sum(_bytes(t, traced) for t in pushed if t.op.type not in _SHARED_BUFFER_OP_TYPES)
+            + sum(_nested_stack_bytes(inner) for inner in nested))
+
+
+def _nested_stack_bytes(inner: tf.Operation) -> int:
+    """Stacks of a loop in a probed body, as while_v2 rewrote it for its gradient."""
+    try:
+        body = (compat.traced_function_graph(inner, "body")
+                or compat.while_function_graph(inner, inner.get_attr("body").name))
+    except (KeyError, ValueError):
+        return 0
+    pushed, _ = _stacked_buffers(body, [op.inputs[1] for op in body.get_operations()
+                                        if op.type == _PUSH_OP_TYPE])
+    return max(loop_chunks.trip_bound(inner) or 1, 1) * _pushed_bytes(pushed, None)
 
 
 def _stacked_buffers(body, pushed: list) -> tuple:
