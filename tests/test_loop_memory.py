@@ -159,21 +159,10 @@ def test_a_nested_loops_stacks_are_the_outer_loops_too():
     # The outer loop's stacks hold, each iteration, the inner loop's stacks
     # (pushed as its TensorLists): T1 * T2 buffers of h. Were counted as
     # nothing (the probe could not build a body calling other functions).
-    outer, inner, batch, width = 4, 8, 256, 64
-    w = tf.Variable(np.eye(width, dtype=np.float32) * 0.5)
-    step_bytes = batch * width * 4
-
-    def inner_loop(h):
-        return tf.while_loop(lambda j, h: j < inner, lambda j, h: (j + 1, tf.tanh(h @ w)),
-                             [0, h], maximum_iterations=inner)[1]
-
-    def loss_of(h):
-        _, h = tf.while_loop(lambda i, h: i < outer, lambda i, h: (i + 1, inner_loop(h) * 0.9),
-                             [0, h], maximum_iterations=outer)
-        return tf.reduce_sum(h * h)
-
-    x = tf.constant(np.random.default_rng(0).normal(size=(batch, width)).astype(np.float32))
-    step, plan, weight_bytes = _stock_step(loss_of, [w], x)
+    from benchmarks import loop_stacks
+    inner, step_bytes = 8, 256 * 64 * 4
+    loss_of, weights, x = loop_stacks.nested_case(outer=4, inner=inner, batch=256, units=64)
+    step, plan, weight_bytes = _stock_step(loss_of, weights, x)
     (loop,) = plan.model.loops.values()
     assert inner * step_bytes <= loop.iteration_bytes <= (inner + 2) * step_bytes
     measured = _requested_peak(step, x) - weight_bytes

@@ -1,0 +1,141 @@
+"""What loops keep for their gradient: the simulator's prediction beside the allocator's peak.
+
+    python -m benchmarks.loop_stacks [--cases scan,gru] [--out loop_stacks]
+
+Each case is one recurrence over T=64 steps (batch 32, 256 units, 64 input
+features; the nested case 8 outer x 16 inner steps, batch 256, 64 units),
+differentiated by tf.gradients and by checkpoints='memory' in one
+tf.function step. For each, in a fresh subprocess: the activation memory
+(allocator peak of the step, median of 3 calls after 2 warm-ups, minus the
+weight gradients it returns) beside `checkpoint_plan`'s prediction from the
+same trace (`baseline_bytes` for tf.gradients, `peak_bytes` for the plan),
+both in bytes requested. Results go to results/<out>.{jsonl,md}.
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+
+RESULTS = pathlib.Path(__file__).parent / "results"
+STEPS, BATCH, FEATURES, UNITS = 64, 32, 64, 256
+CASES = ("while_tanh", "scan", "SimpleRNN", "GRU", "LSTM", "nested")
+METHODS = ("tf.gradients", "memory")
+
+
+def case(name):
+    """(loss of the inputs, weights, inputs) of case `name`."""
+    import numpy as np
+    import tensorflow as tf
+    rng = np.random.default_rng(0)
+    wh = tf.Variable(rng.normal(size=(UNITS, UNITS)).astype(np.float32) * 0.05)
+    wx = tf.Variable(rng.normal(size=(FEATURES, UNITS)).astype(np.float32) * 0.05)
+    xs = tf.constant(rng.normal(size=(STEPS, BATCH, FEATURES)).astype(np.float32))
+    cell = lambda h, x: tf.tanh(h @ wh + x @ wx)  # noqa: E731
+    if name == "while_tanh":  # h_t = tanh(h @ wh + x_t @ wx), the final h only
+        def loss(xs):
+            items = tf.TensorArray(tf.float32, STEPS).unstack(xs)
+            _, h = tf.while_loop(lambda i, h: i < STEPS,
+                                 lambda i, h: (i + 1, cell(h, items.read(i))),
+                                 [0, tf.zeros([BATCH, UNITS])], maximum_iterations=STEPS)
+            return tf.reduce_sum(h * h)
+        return loss, [wh, wx], xs
+    if name == "scan":  # the same cell, every h_t an output
+        def loss(xs):
+            hs = tf.scan(cell, xs, initializer=tf.zeros([BATCH, UNITS]))
+            return tf.reduce_sum(hs * hs)
+        return loss, [wh, wx], xs
+    if name == "nested":
+        return nested_case()
+    layer = getattr(tf.keras.layers, name)(UNITS, return_sequences=True)
+    layer.build((BATCH, STEPS, FEATURES))
+
+    def loss(xs):
+        hs = layer(tf.transpose(xs, [1, 0, 2]))
+        return tf.reduce_sum(hs * hs)
+    return loss, layer.trainable_weights, xs
+
+
+def nested_case(outer=8, inner=16, batch=256, units=64):
+    """A loop of `outer` steps h <- 0.9 * (a loop of `inner` steps h <- tanh(h @ w))."""
+    import numpy as np
+    import tensorflow as tf
+    w = tf.Variable(np.eye(units, dtype=np.float32) * 0.5)
+
+    def inner_loop(h):
+        return tf.while_loop(lambda j, h: j < inner, lambda j, h: (j + 1, tf.tanh(h @ w)),
+                             [0, h], maximum_iterations=inner)[1]
+
+    def loss(h):
+        _, h = tf.while_loop(lambda i, h: i < outer, lambda i, h: (i + 1, inner_loop(h) * 0.9),
+                             [0, h], maximum_iterations=outer)
+        return tf.reduce_sum(h * h)
+    h0 = tf.constant(np.random.default_rng(1).normal(size=(batch, units)).astype(np.float32))
+    return loss, [w], h0
+
+
+def measure(name, method):
+    """One row: predicted and measured activation bytes of `method` on case `name`."""
+    import numpy as np
+    import tensorflow as tf
+    import memory_saving_gradients as msg
+    loss_of, weights, inputs = case(name)
+    found = {}
+
+    @tf.function
+    def step(inputs):
+        loss = loss_of(inputs)
+        found.setdefault("plan", msg.checkpoint_plan(loss, weights, "memory"))
+        if method == "tf.gradients":
+            return tf.gradients(loss, weights)
+        return msg.gradients(loss, weights, checkpoints=method)
+
+    step(inputs)
+    step(inputs)
+    outputs = sum(int(np.prod(w.shape)) * w.dtype.size for w in weights)
+    measured = statistics.median(msg.function_peak_bytes(step, inputs)[0] for _ in range(3))
+    estimate = found["plan"].estimate
+    predicted = estimate.baseline_bytes if method == "tf.gradients" else estimate.peak_bytes
+    return {"case": name, "method": method, "predicted": int(predicted),
+            "measured": int(measured) - outputs}
+
+
+def run_job(name, method):
+    env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="1", TF_CPP_MIN_LOG_LEVEL="2")
+    done = subprocess.run([sys.executable, "-m", "benchmarks.loop_stacks", "--job", name,
+                           method], env=env, capture_output=True, text=True, timeout=600,
+                          check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def table(rows):
+    lines = ["| case | method | predicted MiB | measured MiB | predicted / measured |",
+             "|---|---|---|---|---|"]
+    for row in rows:
+        lines.append(f"| {row['case']} | {row['method']} | {row['predicted'] / 2**20:.2f} | "
+                     f"{row['measured'] / 2**20:.2f} | "
+                     f"{row['predicted'] / max(row['measured'], 1):.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--out", default="loop_stacks")
+    parser.add_argument("--job", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.job:
+        print(json.dumps(measure(*args.job)))
+        return
+    rows = [run_job(name, method) for name in args.cases.split(",") for method in METHODS]
+    with open(RESULTS / f"{args.out}.jsonl", "w") as out:
+        out.writelines(json.dumps(row) + "\n" for row in rows)
+    (RESULTS / f"{args.out}.md").write_text(table(rows))
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
