@@ -95,7 +95,7 @@ def measure(name, method):
 
     step(inputs)
     step(inputs)
-    outputs = sum(int(np.prod(w.shape)) * w.dtype.size for w in weights)
+    outputs = sum(int(np.prod(w.shape)) * tf.as_dtype(w.dtype).size for w in weights)
     measured = statistics.median(msg.function_peak_bytes(step, inputs)[0] for _ in range(3))
     estimate = found["plan"].estimate
     predicted = estimate.baseline_bytes if method == "tf.gradients" else estimate.peak_bytes
