@@ -9,7 +9,9 @@ tf.function step. For each, in a fresh subprocess: the activation memory
 (allocator peak of the step, median of 3 calls after 2 warm-ups, minus the
 weight gradients it returns) beside `checkpoint_plan`'s prediction from the
 same trace (`baseline_bytes` for tf.gradients, `peak_bytes` for the plan),
-both in bytes requested. Results go to results/<out>.{jsonl,md}.
+in bytes requested (the profiler's allocator events) and in the chunks
+TensorFlow's BFC allocator counts (its statistics; the prediction's
+`allocator_*` fields). Results go to results/<out>.{jsonl,md}.
 """
 
 import argparse
@@ -82,6 +84,7 @@ def measure(name, method):
     import numpy as np
     import tensorflow as tf
     import memory_saving_gradients as msg
+    from memory_saving_gradients.tfgraph import profiled_allocations
     loss_of, weights, inputs = case(name)
     found = {}
 
@@ -96,11 +99,17 @@ def measure(name, method):
     step(inputs)
     step(inputs)
     outputs = sum(int(np.prod(w.shape)) * tf.as_dtype(w.dtype).size for w in weights)
-    measured = statistics.median(msg.function_peak_bytes(step, inputs)[0] for _ in range(3))
-    estimate = found["plan"].estimate
-    predicted = estimate.baseline_bytes if method == "tf.gradients" else estimate.peak_bytes
-    return {"case": name, "method": method, "predicted": int(predicted),
-            "measured": int(measured) - outputs}
+    chunks = statistics.median(msg.function_peak_bytes(step, inputs)[0] for _ in range(3))
+    requested = statistics.median(profiled_allocations.requested_peak(
+        profiled_allocations.allocator_events(lambda: step(inputs))) for _ in range(3))
+    est = found["plan"].estimate
+    stock = method == "tf.gradients"
+    return {"case": name, "method": method,
+            "predicted": int(est.baseline_bytes if stock else est.peak_bytes),
+            "measured": int(requested) - outputs,
+            "predicted_allocator": int(est.allocator_baseline_bytes if stock
+                                       else est.allocator_peak_bytes),
+            "measured_allocator": int(chunks) - outputs}
 
 
 def run_job(name, method):
@@ -112,12 +121,13 @@ def run_job(name, method):
 
 
 def table(rows):
-    lines = ["| case | method | predicted MiB | measured MiB | predicted / measured |",
-             "|---|---|---|---|---|"]
+    lines = ["| case | method | bytes requested: predicted / measured MiB (ratio) | "
+             "allocator chunks: predicted / measured MiB (ratio) |", "|---|---|---|---|"]
     for row in rows:
-        lines.append(f"| {row['case']} | {row['method']} | {row['predicted'] / 2**20:.2f} | "
-                     f"{row['measured'] / 2**20:.2f} | "
-                     f"{row['predicted'] / max(row['measured'], 1):.2f} |")
+        pairs = [(row[f"predicted{kind}"], row[f"measured{kind}"])
+                 for kind in ("", "_allocator")]
+        lines.append(f"| {row['case']} | {row['method']} | " + " | ".join(
+            f"{p / 2**20:.2f} / {m / 2**20:.2f} ({p / max(m, 1):.2f})" for p, m in pairs) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -62,6 +62,8 @@ class LoopEvents:
         if kept is not None:
             self._alloc(("loop", where, op), kept)
             self.pieces[("loop", where, op)] = buffers
+        if original and loop.outside_bytes and (op in self.copied or self._chunked(op, loop)):
+            self._alloc(("outside", op), loop.outside_bytes)  # read again by its rerun
         # A chain of chunks runs one iteration at a time (its share of the boundaries: none).
         chain = run < trips
         self._run_ahead(op, where, loop, run, 0 if chain or kept is None else kept, chain)
@@ -86,12 +88,14 @@ class LoopEvents:
     def _loop_backward(self, op, loop, where):
         """A loop's gradient frees what it kept; a chunked one reruns each chunk
         (after a chain of chunks makes its boundaries, if nothing saved them)."""
+        if ("outside", op) in self.born:
+            self._use(("outside", op))
         if self._chunked(op, loop):
             self._use(("loop", ("fwd",), op))
             self._use(("loop", where, op))
             chain = op not in self.copied and not loop.states_saved_in_place
             stacks = loop_chunking.chunk_stack_bytes(loop)
-            self._scratch(stacks + loop_chunking.rewritten_bytes(loop)
+            self._scratch(stacks + loop_chunking.rewritten_bytes(loop) + loop.invariant_bytes
                           + (loop_chunking.boundary_bytes(loop) if chain else 0))
             self._run_ahead(op, where + ("chunk",), loop,
                             min(loop.chunk_size, loop_chunking.trips(loop)), stacks, True)

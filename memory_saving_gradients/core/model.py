@@ -76,6 +76,13 @@ class Loop:
         iteration) for each item the body writes into such a list that its
         stacks hold too (a scan's h_t): a run that keeps its stacks holds
         those list items once.
+      outside_bytes: bytes of its float inputs made outside the region from
+        the step's inputs alone (a Keras RNN's time-major input list): a
+        rerun reads them again, so they live until its gradient when the
+        plan reruns the loop.
+      invariant_bytes: bytes of its float loop invariants (the weights its
+        body reads): each gradient of it, a chunk's included, sums their
+        gradients over its iterations in buffers of their size.
     """
     trip_count: Optional[int]
     iteration_bytes: int
@@ -87,6 +94,8 @@ class Loop:
     ahead_bytes: int = 0
     parallel_iterations: int = 1
     stacked_items: Tuple[Tuple[str, int], ...] = ()
+    outside_bytes: int = 0
+    invariant_bytes: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

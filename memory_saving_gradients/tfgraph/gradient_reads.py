@@ -23,6 +23,7 @@ from memory_saving_gradients.core import timeline
 from memory_saving_gradients.tfgraph import compat
 from memory_saving_gradients.tfgraph import early_gradients
 from memory_saving_gradients.tfgraph import gradient_waits
+from memory_saving_gradients.tfgraph import loops
 from memory_saving_gradients.tfgraph import op_kinds
 from memory_saving_gradients.tfgraph import product_order
 from memory_saving_gradients.tfgraph import static_values
@@ -125,6 +126,12 @@ def _reads(op, wanted, folds):
     """The Reads of `op`'s registered gradient, probed (two threads tracing at
     once may both probe one kind: the same answer, stored twice)."""
     everything = Reads(tuple(range(len(op.inputs))), tuple(range(len(op.outputs))))
+    if op.type in loops.LOOP_OP_TYPES:
+        # while_v2's gradient reads the loop's stacks (its accumulator outputs,
+        # the `core.model.Loop`'s own buffers), its iteration count and its
+        # inputs (loop invariants; a chunked rerun starts from all of them),
+        # never the values the loop computed.
+        return Reads(tuple(range(len(op.inputs))), (0,))
     try:
         grad_fn = compat.gradient_function(op)
     except LookupError:

@@ -21,6 +21,7 @@ from memory_saving_gradients.tfgraph import compat
 from memory_saving_gradients.tfgraph import graph_walks
 from memory_saving_gradients.tfgraph import loop_chunks
 from memory_saving_gradients.tfgraph import loop_recording
+from memory_saving_gradients.tfgraph import loops
 from memory_saving_gradients.tfgraph import op_kinds
 
 _PUSH_OP_TYPE = "TensorListPushBack"
@@ -28,7 +29,8 @@ _PUSH_OP_TYPE = "TensorListPushBack"
 _ITEM_INPUT = {"TensorListSetItem": 2, _PUSH_OP_TYPE: 1}
 # (body function name, input dtypes and shapes) -> iteration_bytes, per process.
 _MEASURED = {}
-_LOOP_OP_TYPES = frozenset({"While", "StatelessWhile"})
+# Loop inputs whose buffers exist before the step (arguments, constants, variables).
+_HELD_BEFORE_OP_TYPES = frozenset({"Placeholder", "Const", "ReadVariableOp", "VarHandleOp"})
 # Pushed tensors that share a buffer kept anyway (a variable's value).
 _SHARED_BUFFER_OP_TYPES = frozenset({"ReadVariableOp"})
 # Body ops whose output is a buffer held elsewhere (a list's item, a variable's
@@ -37,9 +39,10 @@ _VIEW_OP_TYPES = _SHARED_BUFFER_OP_TYPES | {"TensorListGetItem", "Identity", "Re
                                             "ExpandDims", "Squeeze"}
 
 
-def loop_facts(loop: tf.Operation, rerunnable: bool) -> Loop:
+def loop_facts(loop: tf.Operation, rerunnable: bool, region=frozenset()) -> Loop:
     """The `core.model.Loop` of v2 While op `loop`; `rerunnable` if the rewrite
-    may rerun it (then it is chunked when `loop_chunks.chunking` says so)."""
+    may rerun it (then it is chunked when `loop_chunks.chunking` says so);
+    `region`: the names of the tensors the planner models."""
     size = loop_chunks.chunking(loop)[0] if rerunnable else None
     in_place, when_recomputed = loop_chunks.saves_states(loop, size) if size else (True, True)
     stacked, written = iteration_bytes(loop)
@@ -57,7 +60,53 @@ def loop_facts(loop: tf.Operation, rerunnable: bool) -> Loop:
                                 if t.dtype.is_floating),
                 chunk_size=size, states_saved_in_place=in_place,
                 states_saved_when_recomputed=when_recomputed,
-                ahead_bytes=ahead_bytes(loop), parallel_iterations=_parallel_iterations(loop))
+                ahead_bytes=ahead_bytes(loop), parallel_iterations=_parallel_iterations(loop),
+                invariant_bytes=invariant_bytes(loop),
+                outside_bytes=_outside_bytes(loop, region))
+
+
+def _function_of(loop: tf.Operation, part: str = "body"):
+    """The loop's `part` ('body' or 'cond') as a FuncGraph: as traced in
+    Python when available (complete shapes), else imported; None if neither."""
+    try:
+        return (compat.traced_function_graph(loop, part)
+                or compat.while_function_graph(loop, loop.get_attr(part).name))
+    except (KeyError, ValueError):
+        return None
+
+
+def _outside_bytes(loop: tf.Operation, region) -> int:
+    """Bytes of the loop's inputs made in the step outside `region` that a
+    chunk reruns from: its lists and float invariants (a carried state's
+    chunk boundaries are saved, the first of them its input)."""
+    body = _function_of(loop)
+    if body is None:
+        return 0
+    return sum(list_bytes(t) for index, t in enumerate(loop.inputs) if index >= 2
+               and t.name not in region and t.op.type not in _HELD_BEFORE_OP_TYPES
+               and (is_float_list(t) or (t.dtype.is_floating
+                                         and loop_recording.is_invariant(body, index))))
+
+
+def invariant_bytes(loop: tf.Operation) -> int:
+    """Bytes of the loop invariants with float values (weights its body reads,
+    captured variables included): the gradient of each is summed over the
+    iterations into a buffer of its size."""
+    body = _function_of(loop)
+    if body is None:
+        return 0
+    total = 0
+    for index in range(2, len(body.outputs)):
+        if not loop_recording.is_invariant(body, index):
+            continue
+        given = body.inputs[index]
+        if given.dtype.is_floating:
+            total += op_kinds.tensor_bytes(given)
+        elif given.dtype == tf.resource:
+            reads = [c.outputs[0] for c in given.consumers() if c.type == "ReadVariableOp"]
+            total += max((op_kinds.tensor_bytes(t) for t in reads
+                          if t.dtype.is_floating), default=0)
+    return total
 
 
 def _parallel_iterations(loop: tf.Operation) -> int:
@@ -85,11 +134,8 @@ def ahead_bytes(loop: tf.Operation) -> int:
     """
     if compat.in_xla_context(loop.graph):
         return 0
-    try:
-        body, cond = ((compat.traced_function_graph(loop, part)
-                       or compat.while_function_graph(loop, loop.get_attr(part).name))
-                      for part in ("body", "cond"))
-    except (KeyError, ValueError):
+    body, cond = _function_of(loop), _function_of(loop, "cond")
+    if body is None or cond is None:
         return 0
     carried = [not loop_recording.is_invariant(body, i) for i in range(len(body.outputs))]
     state = {i for i, t in enumerate(body.inputs)
@@ -144,10 +190,8 @@ def _list_source(t: tf.Tensor) -> Optional[tf.Operation]:
 def loop_cost(loop: tf.Operation) -> int:
     """Rough FLOPs of a run of `loop`: its bound (1 if unknown) times those of
     its body's ops; the op's own rough cost if the body cannot be read."""
-    try:
-        body = (compat.traced_function_graph(loop, "body")
-                or compat.while_function_graph(loop, loop.get_attr("body").name))
-    except (KeyError, ValueError):
+    body = _function_of(loop)
+    if body is None:
         return op_kinds.op_cost(loop)
     per_iteration = sum(op_kinds.op_cost(op) for op in body.get_operations())
     return max(loop_chunks.trip_bound(loop) or 1, 1) * per_iteration
@@ -180,17 +224,15 @@ def _pushed_bytes(pushed: list, traced: Optional[tf.Graph]) -> int:
     """Bytes an iteration's pushes keep: the tensors', and for the stacks of a
     loop nested in the body (pushed as that loop's TensorLists), T of its own
     iterations' pushes."""
-    nested = {t.op for t in pushed if t.dtype == tf.variant and t.op.type in _LOOP_OP_TYPES}
+    nested = {t.op for t in pushed if t.dtype == tf.variant and t.op.type in loops.LOOP_OP_TYPES}
     return (sum(_bytes(t, traced) for t in pushed if t.op.type not in _SHARED_BUFFER_OP_TYPES)
             + sum(_nested_stack_bytes(inner) for inner in nested))
 
 
 def _nested_stack_bytes(inner: tf.Operation) -> int:
     """Stacks of a loop in a probed body, as while_v2 rewrote it for its gradient."""
-    try:
-        body = (compat.traced_function_graph(inner, "body")
-                or compat.while_function_graph(inner, inner.get_attr("body").name))
-    except (KeyError, ValueError):
+    body = _function_of(inner)
+    if body is None:
         return 0
     pushed, _ = _stacked_buffers(body, [op.inputs[1] for op in body.get_operations()
                                         if op.type == _PUSH_OP_TYPE])

@@ -237,7 +237,8 @@ def build_model(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor]) -> Reading:
     # Whole ops: tf.gradients stops at ops, so a kept output's recomputed
     # sibling would lose its gradient.
     pinned = {o for n in pinned for o in op_outputs[tensors[n].op]}
-    loop_facts = {op.name: loop_memory.loop_facts(op, op in rerunnable) for op in units
+    loop_facts = {op.name: loop_memory.loop_facts(op, op in rerunnable, activations)
+                  for op in units
                   if op.type in loops.LOOP_OP_TYPES and op.name in op_outputs}
     graph = nx.DiGraph()
     graph.add_nodes_from(tensors)  # in order, then the edges in order: as added op by op
