@@ -336,3 +336,46 @@ def test_random_numbers_drawn_inside_are_kept():
     with msg.checkpointing():
         y, grad = step()
     np.testing.assert_allclose(grad.numpy(), (y / x).numpy(), rtol=1e-6)
+
+
+class Recurrent(keras.layers.Layer):
+    """h <- tanh(h @ w + x_t) over the first axis: the loop op reads w's handle."""
+
+    def build(self, shape):
+        self.w = self.add_weight(shape=(shape[-1], shape[-1]), initializer="glorot_uniform")
+
+    def call(self, xs):
+        return tf.scan(lambda h, x: tf.tanh(h @ self.w + x), xs,
+                       initializer=tf.zeros(tf.shape(xs)[1:]))
+
+
+class RecomputedRecurrent(Recurrent):
+    @recompute_grad
+    def call(self, xs):
+        return super().call(xs)
+
+
+def test_a_loop_reading_a_weight_inside_the_body():
+    # Found by a review: the loop op itself reads the variable; planning the
+    # body records the loop's chunk states as new outputs of that op, which
+    # the weight's gradient then met unknown (KeyError).
+    xs = tf.constant(np.random.default_rng(0).normal(size=(40, 2, 4)).astype(np.float32))
+    layers = {False: Recurrent(), True: RecomputedRecurrent()}
+    for layer in layers.values():
+        layer(xs)
+    layers[True].w.assign(layers[False].w)
+
+    def gradients(layer):
+        @tf.function
+        def step(xs):
+            with tf.GradientTape() as tape:
+                tape.watch(xs)
+                loss = tf.reduce_sum(layer(xs) ** 2)
+            return tape.gradient(loss, [xs, layer.w])
+        return step(xs)
+
+    with switched(True):
+        ours = gradients(layers[True])
+    theirs = gradients(layers[False])
+    assert_same_weights([g.numpy() for g in ours], [g.numpy() for g in theirs],
+                        rtol=1e-5, atol=1e-6)

@@ -289,7 +289,9 @@ def _variable_gradient(handle, readers: list, grad_of: dict):
     """
     parts = []
     for op in readers:
-        reached = [t for t in op.outputs if grad_of[id(t)] is not None]
+        # .get: a loop reader gains outputs (its recorded chunk states) while
+        # the body's gradients are built; those carry no gradient.
+        reached = [t for t in op.outputs if grad_of.get(id(t)) is not None]
         if reached:
             parts += compat.stock_gradients(reached, [handle],
                                             grad_ys=[grad_of[id(t)] for t in reached])
