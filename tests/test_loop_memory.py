@@ -96,11 +96,14 @@ def _stock_step(loss_of, weights, x):
 
 
 def _requested_peak(step, x):
-    """Median over three calls of the bytes requested at the peak (the
-    executor's order varies between calls)."""
+    """The least over five calls of the bytes requested at the peak: the
+    order the model predicts. In some calls (one in four or five on two
+    cores) the executor lets a gradient loop's weight-gradient branch fall
+    behind its chain, and the chain's buffers wait for it: a nested loop's
+    measured 2.3 MiB then read 4.1."""
     from memory_saving_gradients.tfgraph import profiled_allocations
-    return sorted(profiled_allocations.requested_peak(
-        profiled_allocations.allocator_events(lambda: step(x))) for _ in range(3))[1]
+    return min(profiled_allocations.requested_peak(
+        profiled_allocations.allocator_events(lambda: step(x))) for _ in range(5))
 
 
 def test_a_state_passed_on_is_one_stacked_buffer():
@@ -152,9 +155,7 @@ def test_items_of_an_output_sequence_the_stacks_hold_are_counted_once():
         step, plan, weight_bytes = _stock_step(loss_of, weights, x)
         measured = _requested_peak(step, x) - weight_bytes
         ratio = plan.estimate.baseline_bytes / measured
-        # 0.99-1.00 as a rule; 0.83 in about one run in six under TF 2.16,
-        # where the executor held one more sequence-sized gradient at the peak.
-        assert 0.8 <= ratio <= 1.15, (loss_of.__name__, ratio)
+        assert 0.85 <= ratio <= 1.15, (loss_of.__name__, ratio)
 
 
 def test_a_rerun_loop_keeps_its_input_list_from_outside_the_region():
