@@ -283,7 +283,7 @@ def test_nothing_is_ahead_under_xla():
         _, h = tf.while_loop(lambda i, h: i < 4,
                              lambda i, h: (i + 1, tf.tanh(inputs.read(i) @ w + h)),
                              [0, tf.zeros([BATCH, WIDTH])], maximum_iterations=4)
-        found["ahead"] = loop_memory.ahead_bytes(h.op)  # while XLA's context is on
+        found["ahead"] = loop_memory.loop_facts(h.op, False).ahead_bytes  # in XLA's context
         return h
 
     step.get_concrete_function(tf.TensorSpec([4, BATCH, WIDTH], tf.float32))
@@ -291,7 +291,7 @@ def test_nothing_is_ahead_under_xla():
 
 
 def _ahead_bytes_of(body, cond=lambda i, *_: i < 8, extra=()):
-    """`loop_memory.ahead_bytes` of a tf.while_loop over (i, h [BATCH, WIDTH], *extra)."""
+    """The `ahead_bytes` loop_memory reads of a tf.while_loop over (i, h [BATCH, WIDTH], *extra)."""
     from memory_saving_gradients.tfgraph import loop_memory
     found = {}
 
@@ -299,7 +299,7 @@ def _ahead_bytes_of(body, cond=lambda i, *_: i < 8, extra=()):
     def step(xs):
         outputs = tf.while_loop(cond, lambda *v: body(xs, *v),
                                 [0, tf.zeros([BATCH, WIDTH]), *extra], maximum_iterations=8)
-        found["ahead"] = loop_memory.ahead_bytes(outputs[1].op)
+        found["ahead"] = loop_memory.loop_facts(outputs[1].op, False).ahead_bytes
         return outputs[1]
 
     step.get_concrete_function(tf.TensorSpec([8, BATCH, WIDTH], tf.float32))

@@ -50,6 +50,7 @@ def loop_facts(loop: tf.Operation, rerunnable: bool, region=frozenset()) -> Loop
     # the loop's output already, in the forward pass and in a rerun.
     seen = [index is not None and list_bytes(loop.outputs[index])
             != op_kinds.tensor_bytes(loop.outputs[index]) for index, _, _ in written]
+    body, cond = _function_of(loop), _function_of(loop, "cond")
     return Loop(trip_count=loop_chunks.trip_bound(loop), iteration_bytes=stacked,
                 written_bytes=sum(size for (_, size, _), known in zip(written, seen)
                                   if not known),
@@ -60,9 +61,10 @@ def loop_facts(loop: tf.Operation, rerunnable: bool, region=frozenset()) -> Loop
                                 if t.dtype.is_floating),
                 chunk_size=size, states_saved_in_place=in_place,
                 states_saved_when_recomputed=when_recomputed,
-                ahead_bytes=ahead_bytes(loop), parallel_iterations=_parallel_iterations(loop),
-                invariant_bytes=invariant_bytes(loop),
-                outside_bytes=_outside_bytes(loop, region))
+                ahead_bytes=ahead_bytes(loop, body, cond),
+                parallel_iterations=_parallel_iterations(loop),
+                invariant_bytes=invariant_bytes(body),
+                outside_bytes=_outside_bytes(loop, body, region))
 
 
 def _function_of(loop: tf.Operation, part: str = "body"):
@@ -75,11 +77,11 @@ def _function_of(loop: tf.Operation, part: str = "body"):
         return None
 
 
-def _outside_bytes(loop: tf.Operation, region) -> int:
+def _outside_bytes(loop: tf.Operation, body, region) -> int:
     """Bytes of the loop's inputs made in the step outside `region` that a
     chunk reruns from: its lists and float invariants (a carried state's
-    chunk boundaries are saved, the first of them its input)."""
-    body = _function_of(loop)
+    chunk boundaries are saved, the first of them its input). `body`: the
+    loop's body as `_function_of` reads it."""
     if body is None:
         return 0
     return sum(list_bytes(t) for index, t in enumerate(loop.inputs) if index >= 2
@@ -88,11 +90,11 @@ def _outside_bytes(loop: tf.Operation, region) -> int:
                                          and loop_recording.is_invariant(body, index))))
 
 
-def invariant_bytes(loop: tf.Operation) -> int:
-    """Bytes of the loop invariants with float values (weights its body reads,
-    captured variables included): the gradient of each is summed over the
-    iterations into a buffer of its size."""
-    body = _function_of(loop)
+def invariant_bytes(body) -> int:
+    """Bytes of the loop invariants of `body` (a loop's, as `_function_of`
+    reads it) with float values (weights it reads, captured variables
+    included): the gradient of each is summed over the iterations into a
+    buffer of its size."""
     if body is None:
         return 0
     total = 0
@@ -118,7 +120,7 @@ def _parallel_iterations(loop: tf.Operation) -> int:
         return 10
 
 
-def ahead_bytes(loop: tf.Operation) -> int:
+def ahead_bytes(loop: tf.Operation, body, cond) -> int:
     """Bytes per iteration of `loop`'s body values that do not depend on its
     carried state and are read by what does (an RNN's input projection
     `x_t @ W`, read by `+ h @ U`). The executor runs each iteration's ops as
@@ -131,10 +133,10 @@ def ahead_bytes(loop: tf.Operation) -> int:
     tensors and lists, and any value computed from them (an index read from
     h). None where the condition reads the state (the next iteration starts
     only once it is decided), and under XLA, which compiles the loop.
+    `body`, `cond`: the loop's functions as `_function_of` reads them.
     """
     if compat.in_xla_context(loop.graph):
         return 0
-    body, cond = _function_of(loop), _function_of(loop, "cond")
     if body is None or cond is None:
         return 0
     carried = [not loop_recording.is_invariant(body, i) for i in range(len(body.outputs))]
