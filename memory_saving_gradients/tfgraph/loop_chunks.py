@@ -64,6 +64,12 @@ def trip_bound(loop: tf.Operation) -> Optional[int]:
     return int(value)
 
 
+def trips(loop: tf.Operation) -> int:
+    """The loop's `maximum_iterations` as a count to scale by: 1 when unknown
+    or zero (`core.loop_chunking.trips` for a loop op)."""
+    return max(trip_bound(loop) or 1, 1)
+
+
 def choose_chunk_size(loop: tf.Operation, bound: int) -> int:
     """The core's chunk size for `loop`, from its carried state's bytes and
     the bytes its body computes per iteration (static shapes)."""

@@ -196,7 +196,7 @@ def loop_cost(loop: tf.Operation) -> int:
     if body is None:
         return op_kinds.op_cost(loop)
     per_iteration = sum(op_kinds.op_cost(op) for op in body.get_operations())
-    return max(loop_chunks.trip_bound(loop) or 1, 1) * per_iteration
+    return loop_chunks.trips(loop) * per_iteration
 
 
 def iteration_bytes(loop: tf.Operation) -> tuple:
@@ -238,7 +238,7 @@ def _nested_stack_bytes(inner: tf.Operation) -> int:
         return 0
     pushed, _ = _stacked_buffers(body, [op.inputs[1] for op in body.get_operations()
                                         if op.type == _PUSH_OP_TYPE])
-    return max(loop_chunks.trip_bound(inner) or 1, 1) * _pushed_bytes(pushed, None)
+    return loop_chunks.trips(inner) * _pushed_bytes(pushed, None)
 
 
 def _stacked_buffers(body, pushed: list) -> tuple:
