@@ -22,9 +22,9 @@ def differentiate_rerun(graph, inputs, grads, rerun):
     making them (then made after the gradient arrived too).
     """
     wanted = [i for i, g in enumerate(grads) if g is not None]
-    values = gradient_waits.gradient_values
-    arrived = [grads[i] for i in wanted if gradient_waits.is_numeric(values(grads[i]).dtype)]
-    with graph.control_dependencies([values(g).op for g in arrived]):
+    arrived = [grads[i] for i in wanted
+               if gradient_waits.is_numeric(gradient_waits.gradient_values(grads[i]).dtype)]
+    with graph.control_dependencies([gradient_waits.gradient_values(g).op for g in arrived]):
         inputs = list(inputs() if callable(inputs) else inputs)
         inputs = inputs[:2] + [tf.identity(t) for t in inputs[2:]]
     tied = _first_float(inputs)
