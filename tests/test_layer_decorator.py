@@ -228,6 +228,16 @@ class RecomputedScaled(Scaled):
         return super().call(h, scale=scale)
 
 
+def _assert_same_gradients(gradients, layers):
+    """`gradients(layer)` of the decorated layer `layers[True]`, switched on,
+    equal those of the undecorated `layers[False]`."""
+    with switched(True):
+        ours = gradients(layers[True])
+    theirs = gradients(layers[False])
+    assert_same_weights([g.numpy() for g in ours], [g.numpy() for g in theirs],
+                        rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("how", ["keyword", "positional", "same tensor"])
 def test_an_input_computed_from_another_gets_its_own_gradient(how):
     # Found by a review: the body was differentiated from the outer tensors, so
@@ -257,11 +267,7 @@ def test_an_input_computed_from_another_gets_its_own_gradient(how):
                                  + layer.trainable_variables)
         return step(x)
 
-    with switched(True):
-        ours = gradients(layers[True])
-    theirs = gradients(layers[False])
-    assert_same_weights([g.numpy() for g in ours], [g.numpy() for g in theirs],
-                        rtol=1e-5, atol=1e-6)
+    _assert_same_gradients(gradients, layers)
 
 
 def test_nested_decorated_layers(count_segments):
@@ -374,8 +380,4 @@ def test_a_loop_reading_a_weight_inside_the_body():
             return tape.gradient(loss, [xs, layer.w])
         return step(xs)
 
-    with switched(True):
-        ours = gradients(layers[True])
-    theirs = gradients(layers[False])
-    assert_same_weights([g.numpy() for g in ours], [g.numpy() for g in theirs],
-                        rtol=1e-5, atol=1e-6)
+    _assert_same_gradients(gradients, layers)
