@@ -381,3 +381,50 @@ def test_a_loop_reading_a_weight_inside_the_body():
         return step(xs)
 
     _assert_same_gradients(gradients, layers)
+
+
+class NestedLoops(keras.layers.Layer):
+    """Four steps of h <- 0.9 * (three steps of h <- tanh(h @ w))."""
+
+    def build(self, shape):
+        self.w = self.add_weight(shape=(shape[-1], shape[-1]), initializer="glorot_uniform")
+
+    def call(self, h):
+        def inner(h):
+            return tf.while_loop(lambda j, h: j < 3, lambda j, h: (j + 1, tf.tanh(h @ self.w)),
+                                 (0, h), maximum_iterations=3)[1]
+        return tf.while_loop(lambda i, h: i < 4, lambda i, h: (i + 1, 0.9 * inner(h)),
+                             (0, h), maximum_iterations=4)[1]
+
+
+class RecomputedNestedLoops(NestedLoops):
+    @recompute_grad
+    def call(self, h):
+        return super().call(h)
+
+
+@pytest.mark.parametrize("plain, decorated", [(Recurrent, RecomputedRecurrent),
+                                              (NestedLoops, RecomputedNestedLoops)])
+def test_two_stacked_layers_holding_loops(plain, decorated):
+    # Found by a review: the second layer's gradient failed at run time ("N
+    # nodes in a cycle"). Building the first layer's gradient inside the
+    # step's level gives its forward loop a new input (the list saving its
+    # chunk states); the level took that op for one of its gradient ops and
+    # made it wait for the level's seed, which needs the loop's result.
+    xs = tf.constant(np.random.default_rng(0).normal(size=(40, 2, 4)).astype(np.float32))
+    layers = {on: [kind(), kind()] for on, kind in ((False, plain), (True, decorated))}
+    for stack in layers.values():
+        stack[1](stack[0](xs))
+    for mine, theirs in zip(layers[True], layers[False]):
+        mine.w.assign(theirs.w)
+
+    def gradients(stack):
+        @tf.function
+        def step(xs):
+            with tf.GradientTape() as tape:
+                tape.watch(xs)
+                loss = tf.reduce_sum(stack[1](stack[0](xs)) ** 2)
+            return tape.gradient(loss, [xs] + [layer.w for layer in stack])
+        return step(xs)
+
+    _assert_same_gradients(gradients, layers)

@@ -96,6 +96,23 @@ def _is_function_call(op: tf.Operation) -> bool:
             or compat.is_function_op(op))
 
 
+def _backprop_ops(made: list) -> list:
+    """The ops of `made` (what one tf.gradients call created, in order) that
+    run in backprop. The others feed ops made before the call: a While
+    loop's gradient gives the forward loop new inputs (while_v2's empty
+    accumulators; the list holding a chunked loop's first state, made when
+    a decorated layer's gradient is built, loop_recording.py). Those run in
+    the forward pass: waiting for a seed, or reading a copy, would close a
+    cycle through the forward loop."""
+    among = set(made)
+    feeding = [t for op in made for t in op.outputs
+               if any(c not in among for c in t.consumers())]
+    if not feeding:
+        return made
+    forward = gradient_waits.ancestors_among(made, feeding)
+    return [op for op in made if op not in forward]
+
+
 def _seeds_of(ys, grad_ys) -> list:
     """`grad_ys` with tf.gradients' own default (ones) made here for the float ys that
     have none, so the ops that carry the gradient are known (leaf_order.py)."""
@@ -236,7 +253,7 @@ class _Backprop:
         # call and written in another gets the whole gradient.
         grads = compat.stock_gradients(targets, sources, seeds, name="backprop",
                                        stop_gradients=stops, **self._tf_kwargs)
-        new_ops = self._graph.get_operations()[first_new_op:]
+        new_ops = _backprop_ops(self._graph.get_operations()[first_new_op:])
         if self._reading.gated:  # not across tf.compat.v1 control flow contexts
             # Means' and sums' gradients added into x's by broadcasting, not
             # as full-size copies (broadcast_sinking.py); the ops they replace are left unread.
