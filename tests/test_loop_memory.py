@@ -110,11 +110,16 @@ def test_a_state_passed_on_is_one_stacked_buffer():
     # Measured: the stacks of h <- tanh(h @ w) grow by one [B, H] buffer per
     # iteration (tanh pushes its output, the matmul its input: the same buffer
     # one iteration apart); h <- tanh(h * 1.01) @ w by two (h and tanh(h)).
+    # The same cell as a tf.function called in the body keeps one too: its
+    # call returns tanh(h @ w), and h and w's value for the gradient (the
+    # probe failed on any call, and the loop's stacks counted nothing).
     batch, width = 512, 64
     w = tf.Variable(np.eye(width, dtype=np.float32) * 0.5)
     step_bytes = batch * width * 4
     x = tf.constant(np.random.default_rng(0).normal(size=(batch, width)).astype(np.float32))
-    for body, buffers in ((lambda h: tf.tanh(h @ w), 1), (lambda h: tf.tanh(h * 1.01) @ w, 2)):
+    called = tf.function(lambda h: tf.tanh(h @ w))
+    for body, buffers in ((lambda h: tf.tanh(h @ w), 1), (lambda h: tf.tanh(h * 1.01) @ w, 2),
+                          (called, 1)):
         peaks, predicted = [], []
         for steps in (8, 24):
             def loss_of(h, steps=steps):

@@ -185,7 +185,10 @@ def while_function_graph(loop: tf.Operation, name: str):
 
 def while_function_graph_in(loop: tf.Operation, name: str, graph: tf.Graph):
     """`while_function_graph`, but built inside `graph` (a scratch graph):
-    what is built from it then lives there, not in `loop`'s graph."""
+    what is built from it then lives there, not in `loop`'s graph. Its
+    function calls differentiate as in the loop's traced function: an
+    imported call op has no gradient function, and tf.gradients fails on
+    it ("no attribute 'python_grad_func'")."""
     owner = loop.graph
     while owner is not None and owner._get_function(name) is None:  # pylint: disable=protected-access
         owner = getattr(owner, "outer_graph", None)
@@ -195,7 +198,15 @@ def while_function_graph_in(loop: tf.Operation, name: str, graph: tf.Graph):
     _add_called_functions(definition, owner, graph)
     shapes = [tf.TensorShape(s) for s in loop.get_attr("output_shapes")]
     with graph.as_default():
-        return function_def_to_graph.function_def_to_graph(definition, input_shapes=shapes)
+        imported = function_def_to_graph.function_def_to_graph(definition, input_shapes=shapes)
+    traced = next((g for g in (traced_function_graph(loop, part) for part in ("body", "cond"))
+                   if g is not None and g.name == name), None)
+    if traced is not None:
+        for op in imported.get_operations():
+            twin = traced._get_operation_by_name(op.name) if op.name in traced._nodes_by_name else None  # pylint: disable=protected-access
+            if twin is not None and getattr(twin, "_gradient_function", None) is not None:
+                op._gradient_function = twin._gradient_function  # pylint: disable=protected-access
+    return imported
 
 
 def _add_called_functions(definition, owner: tf.Graph, graph: tf.Graph) -> None:
@@ -218,6 +229,19 @@ def _add_called_functions(definition, owner: tf.Graph, graph: tf.Graph) -> None:
                     if found is not None:
                         graph._add_function(found)  # pylint: disable=protected-access
                         todo.append(found.cached_definition)
+
+
+def called_function_graph(call: tf.Operation):
+    """The FuncGraph of the function a (Stateful)PartitionedCall op `call`
+    runs, found in its graph or one it is built in; None if not found."""
+    name = call.get_attr("f").name
+    where = call.graph
+    while where is not None:
+        found = where._get_function(name)  # pylint: disable=protected-access
+        if found is not None:
+            return function_def_to_graph.function_def_to_graph(found.cached_definition)
+        where = getattr(where, "outer_graph", None)
+    return None
 
 
 def traced_function_graph(loop: tf.Operation, part: str):

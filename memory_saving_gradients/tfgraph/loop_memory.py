@@ -33,6 +33,8 @@ _MEASURED = {}
 _HELD_BEFORE_OP_TYPES = frozenset({"Placeholder", "Const", "ReadVariableOp", "VarHandleOp"})
 # Pushed tensors that share a buffer kept anyway (a variable's value).
 _SHARED_BUFFER_OP_TYPES = frozenset({"ReadVariableOp"})
+# Ops that run a function: an output may be one of the call's inputs.
+_CALL_OP_TYPES = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
 # Body ops whose output is a buffer held elsewhere (a list's item, a variable's
 # value, its input's): nothing computed ahead is held by them.
 _VIEW_OP_TYPES = _SHARED_BUFFER_OP_TYPES | {"TensorListGetItem", "Identity", "Reshape",
@@ -218,7 +220,7 @@ def _measure(loop):
         return 0, ()
     traced = compat.traced_function_graph(loop, "body")
     return (_pushed_bytes(pushed, traced),
-            tuple((index, _bytes(t, traced), loop_recording.passed_through(t).ref() in held)
+            tuple((index, _bytes(t, traced), _buffer_of(t).ref() in held)
                   for index, t in written))
 
 
@@ -227,7 +229,8 @@ def _pushed_bytes(pushed: list, traced: Optional[tf.Graph]) -> int:
     loop nested in the body (pushed as that loop's TensorLists), T of its own
     iterations' pushes."""
     nested = {t.op for t in pushed if t.dtype == tf.variant and t.op.type in loops.LOOP_OP_TYPES}
-    return (sum(_bytes(t, traced) for t in pushed if t.op.type not in _SHARED_BUFFER_OP_TYPES)
+    return (sum(_bytes(t, traced) for t in pushed
+                if _made_by(t).op.type not in _SHARED_BUFFER_OP_TYPES)
             + sum(_nested_stack_bytes(inner) for inner in nested))
 
 
@@ -253,14 +256,44 @@ def _stacked_buffers(body, pushed: list) -> tuple:
     """
     buffers = {}  # Tensor.ref() of a buffer -> one tensor holding it
     for t in pushed:
-        buffers.setdefault(loop_recording.passed_through(t).ref(), t)
+        buffers.setdefault(_buffer_of(t).ref(), t)
     held = set(buffers)
     for index, given in enumerate(body.inputs[:len(body.outputs)]):
-        returned = loop_recording.returned_value(body, index)
+        returned = _buffer_of(body.outputs[index])
         if given.ref() in held and returned is not given:
             held.add(returned.ref())
             buffers.pop(returned.ref(), None)
     return list(buffers.values()), held
+
+
+def _buffer_of(t: tf.Tensor) -> tf.Tensor:
+    """The body tensor whose buffer `t` is: before the Identity ops it is
+    passed on through, and before a function call that returns it unchanged
+    (the gradient of a called function has the call return the inputs and
+    values its backward function reads)."""
+    t = loop_recording.passed_through(t)
+    while t.op.type in _CALL_OP_TYPES:
+        function = compat.called_function_graph(t.op)
+        if function is None:
+            break
+        returned = [loop_recording.passed_through(o).ref() for o in function.outputs]
+        inner = returned[t.value_index]
+        arguments = [a.ref() for a in function.inputs]
+        if inner not in arguments:  # one buffer, however many outputs return it
+            return t.op.outputs[returned.index(inner)]
+        t = loop_recording.passed_through(t.op.inputs[arguments.index(inner)])
+    return t
+
+
+def _made_by(t: tf.Tensor) -> tf.Tensor:
+    """`t`, or for a function call's output the tensor its function returns
+    there (passed through Identity ops; a function input is a Placeholder)."""
+    if t.op.type not in _CALL_OP_TYPES:
+        return t
+    function = compat.called_function_graph(t.op)
+    if function is None:
+        return t
+    return loop_recording.passed_through(function.outputs[t.value_index])
 
 
 def _probe(loop):
