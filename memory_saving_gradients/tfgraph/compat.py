@@ -202,10 +202,11 @@ def while_function_graph_in(loop: tf.Operation, name: str, graph: tf.Graph):
     traced = next((g for g in (traced_function_graph(loop, part) for part in ("body", "cond"))
                    if g is not None and g.name == name), None)
     if traced is not None:
+        traced_ops = {op.name: op for op in traced.get_operations()}
         for op in imported.get_operations():
-            twin = traced._get_operation_by_name(op.name) if op.name in traced._nodes_by_name else None  # pylint: disable=protected-access
-            if twin is not None and getattr(twin, "_gradient_function", None) is not None:
-                op._gradient_function = twin._gradient_function  # pylint: disable=protected-access
+            gradient = getattr(traced_ops.get(op.name), "_gradient_function", None)
+            if gradient is not None:
+                op._gradient_function = gradient  # pylint: disable=protected-access
     return imported
 
 
