@@ -135,6 +135,56 @@ def test_a_state_passed_on_is_one_stacked_buffer():
         assert (predicted[1] - predicted[0]) / 16 == buffers * step_bytes
 
 
+def test_a_cond_in_the_body_holds_its_branchs_values():
+    # A tf.cond's gradient has it return each branch's values for backprop,
+    # wrapped in optionals (a variant each), which the loop's stacks take:
+    # here two [B, H] buffers an iteration either way (tanh(h) and the
+    # result). Counted as nothing before (a variant's static bytes).
+    batch, width = 512, 64
+    w = tf.Variable(np.eye(width, dtype=np.float32) * 0.5)
+    step_bytes = batch * width * 4
+    x = tf.constant(np.random.default_rng(0).normal(size=(batch, width)).astype(np.float32))
+
+    def body(i, h):
+        return i + 1, tf.cond(i % 2 == 0, lambda: tf.tanh(tf.tanh(h) @ w),
+                              lambda: tf.sigmoid(tf.sigmoid(h) @ w))
+    peaks, predicted = [], []
+    for steps in (8, 24):
+        def loss_of(h, steps=steps):
+            _, h = tf.while_loop(lambda i, h: i < steps, body, [0, h], maximum_iterations=steps)
+            return tf.reduce_sum(h * h)
+        step, plan, _ = _stock_step(loss_of, [w], x)
+        loop = next(iter(plan.model.loops.values()))
+        assert 2 * step_bytes <= loop.iteration_bytes <= 2 * step_bytes + 8  # and the predicate
+        peaks.append(_requested_peak(step, x))
+        predicted.append(plan.estimate.baseline_bytes)
+    measured = (peaks[1] - peaks[0]) / 16 / step_bytes
+    assert abs(measured - 2) < 0.15, measured
+    assert abs((predicted[1] - predicted[0]) / 16 / step_bytes - 2) < 0.01
+
+
+def test_a_cond_one_branch_of_which_reads_no_variable_is_probed():
+    # Its gradient makes zeros for the variable in the other branch, from
+    # the handle data the probe's imported body now carries (the probe
+    # failed, and the stacks counted nothing). The larger branch is counted:
+    # one [B, H] buffer, where alternate branches measured half of one.
+    w = tf.Variable(np.eye(WIDTH, dtype=np.float32) * 0.5)
+    found = {}
+
+    @tf.function
+    def step(x):
+        _, h = tf.while_loop(
+            lambda i, h: i < STEPS,
+            lambda i, h: (i + 1, tf.cond(i % 2 == 0, lambda: tf.tanh(h @ w), lambda: h)),
+            [0, x], maximum_iterations=STEPS)
+        found["plan"] = msg.checkpoint_plan(tf.reduce_sum(h * h), [w])
+        return h
+
+    step.get_concrete_function(tf.TensorSpec([BATCH, WIDTH], tf.float32))
+    (loop,) = found["plan"].model.loops.values()
+    assert STEP_BYTES <= loop.iteration_bytes <= STEP_BYTES + 8
+
+
 def test_items_of_an_output_sequence_the_stacks_hold_are_counted_once():
     # A scan's outputs h_t are written into its output list and pushed onto
     # its stacks: one buffer each. Predicted beside measured (requested bytes,

@@ -185,10 +185,12 @@ def while_function_graph(loop: tf.Operation, name: str):
 
 def while_function_graph_in(loop: tf.Operation, name: str, graph: tf.Graph):
     """`while_function_graph`, but built inside `graph` (a scratch graph):
-    what is built from it then lives there, not in `loop`'s graph. Its
-    function calls differentiate as in the loop's traced function: an
-    imported call op has no gradient function, and tf.gradients fails on
-    it ("no attribute 'python_grad_func'")."""
+    what is built from it then lives there, not in `loop`'s graph. It
+    differentiates as the loop's traced function: its resource and list
+    arguments carry the handle data of the loop's inputs (a cond's gradient
+    makes zeros for a variable one branch does not read, and fails without
+    it), and its function calls their traced twins' gradient functions (an
+    imported call op has none: "no attribute 'python_grad_func'")."""
     owner = loop.graph
     while owner is not None and owner._get_function(name) is None:  # pylint: disable=protected-access
         owner = getattr(owner, "outer_graph", None)
@@ -199,6 +201,9 @@ def while_function_graph_in(loop: tf.Operation, name: str, graph: tf.Graph):
     shapes = [tf.TensorShape(s) for s in loop.get_attr("output_shapes")]
     with graph.as_default():
         imported = function_def_to_graph.function_def_to_graph(definition, input_shapes=shapes)
+    for outer, argument in zip(loop.inputs, imported.inputs):
+        if outer.dtype in (tf.resource, tf.variant):
+            copy_handle_data(outer, argument)
     traced = next((g for g in (traced_function_graph(loop, part) for part in ("body", "cond"))
                    if g is not None and g.name == name), None)
     if traced is not None:
@@ -232,17 +237,31 @@ def _add_called_functions(definition, owner: tf.Graph, graph: tf.Graph) -> None:
                         todo.append(found.cached_definition)
 
 
-def called_function_graph(call: tf.Operation):
-    """The FuncGraph of the function a (Stateful)PartitionedCall op `call`
-    runs, found in its graph or one it is built in; None if not found."""
-    name = call.get_attr("f").name
-    where = call.graph
-    while where is not None:
-        found = where._get_function(name)  # pylint: disable=protected-access
-        if found is not None:
-            return function_def_to_graph.function_def_to_graph(found.cached_definition)
-        where = getattr(where, "outer_graph", None)
-    return None
+def called_function_graphs(op: tf.Operation) -> tuple:
+    """(FuncGraphs of the functions `op` runs, the inputs of `op` their
+    arguments are): a (Stateful)PartitionedCall's function, or an If's two
+    branches (their arguments: its inputs after the predicate), imported
+    with the shapes of those inputs; ((), ()) for other ops or functions not
+    found in `op`'s graph or one it is built in."""
+    if op.type in ("PartitionedCall", "StatefulPartitionedCall"):
+        names, arguments = [op.get_attr("f").name], list(op.inputs)
+    elif op.type in ("If", "StatelessIf"):
+        names = [op.get_attr(branch).name for branch in ("then_branch", "else_branch")]
+        arguments = list(op.inputs[1:])
+    else:
+        return (), ()
+    shapes = [t.shape for t in arguments]
+    graphs = []
+    for name in names:
+        where = op.graph
+        while where is not None and where._get_function(name) is None:  # pylint: disable=protected-access
+            where = getattr(where, "outer_graph", None)
+        if where is None:
+            return (), ()
+        definition = where._get_function(name).cached_definition  # pylint: disable=protected-access
+        graphs.append(function_def_to_graph.function_def_to_graph(definition,
+                                                                   input_shapes=shapes))
+    return tuple(graphs), tuple(arguments)
 
 
 def traced_function_graph(loop: tf.Operation, part: str):

@@ -33,8 +33,6 @@ _MEASURED = {}
 _HELD_BEFORE_OP_TYPES = frozenset({"Placeholder", "Const", "ReadVariableOp", "VarHandleOp"})
 # Pushed tensors that share a buffer kept anyway (a variable's value).
 _SHARED_BUFFER_OP_TYPES = frozenset({"ReadVariableOp"})
-# Ops that run a function: an output may be one of the call's inputs.
-_CALL_OP_TYPES = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
 # Body ops whose output is a buffer held elsewhere (a list's item, a variable's
 # value, its input's): nothing computed ahead is held by them.
 _VIEW_OP_TYPES = _SHARED_BUFFER_OP_TYPES | {"TensorListGetItem", "Identity", "Reshape",
@@ -229,8 +227,7 @@ def _pushed_bytes(pushed: list, traced: Optional[tf.Graph]) -> int:
     loop nested in the body (pushed as that loop's TensorLists), T of its own
     iterations' pushes."""
     nested = {t.op for t in pushed if t.dtype == tf.variant and t.op.type in loops.LOOP_OP_TYPES}
-    return (sum(_bytes(t, traced) for t in pushed
-                if _made_by(t).op.type not in _SHARED_BUFFER_OP_TYPES)
+    return (sum(_held_bytes(t, traced) for t in pushed)
             + sum(_nested_stack_bytes(inner) for inner in nested))
 
 
@@ -268,32 +265,61 @@ def _stacked_buffers(body, pushed: list) -> tuple:
 
 def _buffer_of(t: tf.Tensor) -> tf.Tensor:
     """The body tensor whose buffer `t` is: before the Identity ops it is
-    passed on through, and before a function call that returns it unchanged
-    (the gradient of a called function has the call return the inputs and
-    values its backward function reads)."""
+    passed on through, and before a function call or `tf.cond` that returns
+    it unchanged. (Differentiated, a call returns what its backward function
+    reads, its own inputs among them; a cond each branch's such values,
+    wrapped in optionals.) `t` itself where the branches disagree."""
     t = loop_recording.passed_through(t)
-    while t.op.type in _CALL_OP_TYPES:
-        function = compat.called_function_graph(t.op)
-        if function is None:
-            break
-        returned = [loop_recording.passed_through(o).ref() for o in function.outputs]
-        inner = returned[t.value_index]
-        arguments = [a.ref() for a in function.inputs]
-        if inner not in arguments:  # one buffer, however many outputs return it
-            return t.op.outputs[returned.index(inner)]
-        t = loop_recording.passed_through(t.op.inputs[arguments.index(inner)])
-    return t
+    while True:
+        functions, arguments = compat.called_function_graphs(t.op)
+        found = {_buffer_in(function, arguments, t) for function in functions} - {None}
+        if len(found) != 1:
+            return t
+        (found,) = found
+        if found.deref() is t:
+            return t
+        t = found.deref()
 
 
-def _made_by(t: tf.Tensor) -> tf.Tensor:
-    """`t`, or for a function call's output the tensor its function returns
-    there (passed through Identity ops; a function input is a Placeholder)."""
-    if t.op.type not in _CALL_OP_TYPES:
-        return t
-    function = compat.called_function_graph(t.op)
-    if function is None:
-        return t
-    return loop_recording.passed_through(function.outputs[t.value_index])
+def _buffer_in(function, arguments, t: tf.Tensor):
+    """Tensor.ref() of the outer tensor whose buffer `function` (run by
+    `t.op`, reading `arguments`) returns as `t`: an argument, or `t.op`'s
+    first output it returns that value at, passed through Identity ops and
+    out of an optional. None if it returns nothing there (an empty optional)."""
+    inner = _value_in(function.outputs[t.value_index])
+    if inner is None:
+        return None
+    given = [a.ref() for a in function.inputs]
+    if inner.ref() in given:
+        return loop_recording.passed_through(arguments[given.index(inner.ref())]).ref()
+    returned = [loop_recording.passed_through(o).ref() for o in function.outputs]
+    return t.op.outputs[returned.index(inner.ref())].ref() if inner.ref() in returned else t.ref()
+
+
+def _value_in(returned: tf.Tensor) -> Optional[tf.Tensor]:
+    """What a function returns as `returned`: passed through Identity ops,
+    and out of an optional (None for an empty one)."""
+    returned = loop_recording.passed_through(returned)
+    if returned.op.type == "OptionalNone":
+        return None
+    if returned.op.type == "OptionalFromValue" and len(returned.op.inputs) == 1:
+        return loop_recording.passed_through(returned.op.inputs[0])
+    return returned
+
+
+def _held_bytes(t: tf.Tensor, traced: Optional[tf.Graph]) -> int:
+    """Bytes of a pushed `t` (one buffer of its own): none for a variable's
+    value, which the variable holds anyway; for an optional a cond returns,
+    those of the body tensor it holds (`_buffer_of`), else of the larger
+    value its branches wrap."""
+    functions, _ = compat.called_function_graphs(t.op)
+    values = [v for v in (_value_in(f.outputs[t.value_index]) for f in functions) if v is not None]
+    if any(v.op.type in _SHARED_BUFFER_OP_TYPES for v in values + [t]):
+        return 0
+    buffer = _buffer_of(t)
+    if t.dtype != tf.variant or buffer.dtype != tf.variant:
+        return _bytes(buffer, traced)
+    return max((_bytes(v, None) for v in values), default=0)
 
 
 def _probe(loop):
