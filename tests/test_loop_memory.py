@@ -117,9 +117,17 @@ def test_a_state_passed_on_is_one_stacked_buffer():
     w = tf.Variable(np.eye(width, dtype=np.float32) * 0.5)
     step_bytes = batch * width * 4
     x = tf.constant(np.random.default_rng(0).normal(size=(batch, width)).astype(np.float32))
+    # Compiled by XLA, a call returns copies: h and tanh(h @ w) are two. A
+    # custom gradient's IdentityN passes its result on: tanh(h @ w) once.
     called = tf.function(lambda h: tf.tanh(h @ w))
+    compiled = tf.function(lambda h: tf.tanh(h @ w), jit_compile=True)
+
+    @tf.custom_gradient
+    def square(h):
+        return h * h, lambda g: 2.0 * g * h
+    squared = tf.function(lambda h: square(tf.tanh(h @ w)))
     for body, buffers in ((lambda h: tf.tanh(h @ w), 1), (lambda h: tf.tanh(h * 1.01) @ w, 2),
-                          (called, 1)):
+                          (called, 1), (compiled, 2), (squared, 2)):
         peaks, predicted = [], []
         for steps in (8, 24):
             def loss_of(h, steps=steps):
@@ -161,6 +169,34 @@ def test_a_cond_in_the_body_holds_its_branchs_values():
     measured = (peaks[1] - peaks[0]) / 16 / step_bytes
     assert abs(measured - 2) < 0.15, measured
     assert abs((predicted[1] - predicted[0]) / 16 / step_bytes - 2) < 0.01
+
+
+def test_functions_calling_functions_in_a_body():
+    # Found by a review: reading what a call or cond in the body returns
+    # imported its function, which failed where that function refers to
+    # others (a nested call, a cond, a loop), and the error escaped planning.
+    w = tf.Variable(np.eye(WIDTH, dtype=np.float32) * 0.5)
+    cell = tf.function(lambda h: tf.tanh(h @ w))
+    calling = tf.function(lambda h: tf.sigmoid(cell(h)))
+    bodies = [
+        lambda i, h: calling(h),
+        lambda i, h: tf.cond(i % 2 == 0, lambda: cell(h), lambda: tf.sigmoid(h @ w)),
+        lambda i, h: tf.cond(i % 2 == 0, lambda: tf.cond(i % 3 == 0, lambda: tf.tanh(h @ w),
+                                                         lambda: h * 0.5),
+                             lambda: tf.sigmoid(h @ w)),
+    ]
+    x = tf.constant(np.random.default_rng(0).normal(size=(BATCH, WIDTH)).astype(np.float32))
+    for body in bodies:
+        @tf.function
+        def step(x):
+            _, h = tf.while_loop(lambda i, h: i < 8, lambda i, h: (i + 1, body(i, h)), [0, x],
+                                 maximum_iterations=8)
+            loss = tf.reduce_sum(h * h)
+            return (msg.gradients(loss, [w], checkpoints="memory")[0],
+                    tf.gradients(loss, [w])[0])
+
+        ours, theirs = step(x)
+        np.testing.assert_allclose(ours.numpy(), theirs.numpy(), rtol=1e-5, atol=1e-6)
 
 
 def test_a_cond_one_branch_of_which_reads_no_variable_is_probed():

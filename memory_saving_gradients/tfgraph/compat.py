@@ -237,6 +237,14 @@ def _add_called_functions(definition, owner: tf.Graph, graph: tf.Graph) -> None:
                         todo.append(found.cached_definition)
 
 
+def compiled_call(op: tf.Operation) -> bool:
+    """True for a call of a `jit_compile=True` function (XLA compiles it)."""
+    try:
+        return bool(op.get_attr("_XlaMustCompile"))
+    except ValueError:
+        return False
+
+
 def called_function_graphs(op: tf.Operation) -> tuple:
     """(FuncGraphs of the functions `op` runs, the inputs of `op` their
     arguments are): a (Stateful)PartitionedCall's function, or an If's two
@@ -251,6 +259,7 @@ def called_function_graphs(op: tf.Operation) -> tuple:
     else:
         return (), ()
     shapes = [t.shape for t in arguments]
+    scratch = tf.Graph()  # holds what the functions call, for the import
     graphs = []
     for name in names:
         where = op.graph
@@ -259,8 +268,10 @@ def called_function_graphs(op: tf.Operation) -> tuple:
         if where is None:
             return (), ()
         definition = where._get_function(name).cached_definition  # pylint: disable=protected-access
-        graphs.append(function_def_to_graph.function_def_to_graph(definition,
-                                                                   input_shapes=shapes))
+        _add_called_functions(definition, where, scratch)
+        with scratch.as_default():
+            graphs.append(function_def_to_graph.function_def_to_graph(definition,
+                                                                       input_shapes=shapes))
     return tuple(graphs), tuple(arguments)
 
 

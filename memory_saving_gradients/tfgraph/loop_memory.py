@@ -12,6 +12,7 @@ loses the shapes of variables read inside it).
 
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import tensorflow as tf
@@ -24,6 +25,7 @@ from memory_saving_gradients.tfgraph import loop_recording
 from memory_saving_gradients.tfgraph import loops
 from memory_saving_gradients.tfgraph import op_kinds
 
+logger = logging.getLogger("memory_saving_gradients")
 _PUSH_OP_TYPE = "TensorListPushBack"
 # List writes and the index of the item they write.
 _ITEM_INPUT = {"TensorListSetItem": 2, _PUSH_OP_TYPE: 1}
@@ -212,14 +214,15 @@ def iteration_bytes(loop: tf.Operation) -> tuple:
 
 
 def _measure(loop):
+    traced = compat.traced_function_graph(loop, "body")
     try:
         written, pushed, held = _probe(loop)
+        return (_pushed_bytes(pushed, traced),
+                tuple((index, _bytes(t, traced), _buffer_of(t).ref() in held)
+                      for index, t in written))
     except Exception:  # pylint: disable=broad-except  # a loop we cannot probe: unknown
+        logger.debug("loop %s not probed", loop.name, exc_info=True)
         return 0, ()
-    traced = compat.traced_function_graph(loop, "body")
-    return (_pushed_bytes(pushed, traced),
-            tuple((index, _bytes(t, traced), _buffer_of(t).ref() in held)
-                  for index, t in written))
 
 
 def _pushed_bytes(pushed: list, traced: Optional[tf.Graph]) -> int:
@@ -289,6 +292,8 @@ def _buffer_in(function, arguments, t: tf.Tensor):
     inner = _value_in(function.outputs[t.value_index])
     if inner is None:
         return None
+    if compat.compiled_call(t.op):  # XLA returns every result in a buffer of its own
+        return t.ref()
     given = [a.ref() for a in function.inputs]
     if inner.ref() in given:
         return loop_recording.passed_through(arguments[given.index(inner.ref())]).ref()
@@ -309,17 +314,24 @@ def _value_in(returned: tf.Tensor) -> Optional[tf.Tensor]:
 
 def _held_bytes(t: tf.Tensor, traced: Optional[tf.Graph]) -> int:
     """Bytes of a pushed `t` (one buffer of its own): none for a variable's
-    value, which the variable holds anyway; for an optional a cond returns,
-    those of the body tensor it holds (`_buffer_of`), else of the larger
-    value its branches wrap."""
+    value, which the variable holds anyway; else those of the body tensor it
+    is (`_buffer_of`; for an optional a cond returns, the one it holds)
+    where that shape is known, else of the larger value the functions its
+    op runs return there."""
     functions, _ = compat.called_function_graphs(t.op)
     values = [v for v in (_value_in(f.outputs[t.value_index]) for f in functions) if v is not None]
     if any(v.op.type in _SHARED_BUFFER_OP_TYPES for v in values + [t]):
         return 0
     buffer = _buffer_of(t)
-    if t.dtype != tf.variant or buffer.dtype != tf.variant:
-        return _bytes(buffer, traced)
-    return max((_bytes(v, None) for v in values), default=0)
+    if buffer.dtype != tf.variant:
+        values = [buffer] + values
+    # The first known: the buffer's static shape (or its traced twin's), else
+    # the values as the functions compute them from their inputs' shapes.
+    for value in values:
+        known = _known_bytes(value, traced if value is buffer else None)
+        if known is not None:
+            return known
+    return max((_bytes(v, traced) for v in values), default=0)
 
 
 def _probe(loop):
@@ -369,10 +381,24 @@ def _list_variable(body, handle):
 
 
 def _bytes(tensor: tf.Tensor, traced: Optional[tf.Graph]) -> int:
-    """Static bytes of `tensor`, from the traced body where it knows more."""
-    if not tensor.shape.is_fully_defined() and traced is not None:
-        try:
-            return op_kinds.tensor_bytes(traced.get_tensor_by_name(tensor.name))
-        except (KeyError, ValueError):
-            pass
-    return op_kinds.tensor_bytes(tensor)
+    """Static bytes of `tensor`, from the traced body where it knows more
+    (unknown dimensions counted as 1)."""
+    twin = None if tensor.shape.is_fully_defined() else _twin(tensor, traced)
+    return op_kinds.tensor_bytes(tensor if twin is None else twin)
+
+
+def _known_bytes(tensor: tf.Tensor, traced: Optional[tf.Graph]) -> Optional[int]:
+    """`_bytes` of `tensor` where that shape is fully known; else None."""
+    twin = None if tensor.shape.is_fully_defined() else _twin(tensor, traced)
+    shown = tensor if twin is None else twin
+    return op_kinds.tensor_bytes(shown) if shown.shape.is_fully_defined() else None
+
+
+def _twin(tensor: tf.Tensor, traced: Optional[tf.Graph]) -> Optional[tf.Tensor]:
+    """The tensor of `tensor`'s name in the traced body `traced`, if any."""
+    if traced is None:
+        return None
+    try:
+        return traced.get_tensor_by_name(tensor.name)
+    except (KeyError, ValueError):
+        return None

@@ -139,9 +139,10 @@ def _function(loop, part):
 
 
 def passed_through(tensor: tf.Tensor) -> tf.Tensor:
-    """`tensor` before the Identity ops it is passed on through (one buffer)."""
-    while tensor.op.type in _PASS_THROUGH:
-        tensor = tensor.op.inputs[0]
+    """`tensor` before the Identity ops it is passed on through (one buffer),
+    IdentityN ones included (`tf.custom_gradient` returns its results so)."""
+    while tensor.op.type in _PASS_THROUGH or tensor.op.type == "IdentityN":
+        tensor = tensor.op.inputs[tensor.value_index]
     return tensor
 
 
