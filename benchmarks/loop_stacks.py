@@ -61,15 +61,16 @@ def case(name):
     return loss, layer.trainable_weights, xs
 
 
-def nested_case(outer=8, inner=16, batch=256, units=64):
-    """A loop of `outer` steps h <- 0.9 * (a loop of `inner` steps h <- tanh(h @ w))."""
+def nested_case(outer=8, inner=16, batch=256, units=64, inner_bounded=True):
+    """A loop of `outer` steps h <- 0.9 * (a loop of `inner` steps h <- tanh(h @ w));
+    the inner loop without `maximum_iterations` unless `inner_bounded`."""
     import numpy as np
     import tensorflow as tf
     w = tf.Variable(np.eye(units, dtype=np.float32) * 0.5)
 
     def inner_loop(h):
         return tf.while_loop(lambda j, h: j < inner, lambda j, h: (j + 1, tf.tanh(h @ w)),
-                             [0, h], maximum_iterations=inner)[1]
+                             [0, h], maximum_iterations=inner if inner_bounded else None)[1]
 
     def loss(h):
         _, h = tf.while_loop(lambda i, h: i < outer, lambda i, h: (i + 1, inner_loop(h) * 0.9),

@@ -1,6 +1,7 @@
 """What reading learns of a While loop's memory (tfgraph/loop_memory.py)."""
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import memory_saving_gradients as msg
@@ -57,11 +58,42 @@ def test_loop_facts_from_the_stock_gradient():
     assert found["outputs"][0] == found["outputs"][1]  # the probe left the loop alone
 
 
-def test_loop_without_bound_counts_one_iteration_and_is_not_chunked():
+def test_loop_without_bound_counts_what_its_condition_allows_and_is_not_chunked():
+    # `i < STEPS` from 0 by 1: STEPS iterations. Without maximum_iterations
+    # the loop's condition does not stop a chunk, so it is not chunked.
     found = _plan_of_loop(None)
     loop = found["plan"].model.loops[found["name"]]
-    assert loop.trip_count is None and loop.chunk_size is None
+    assert loop.trip_count == STEPS and loop.chunk_size is None
     assert loop.iteration_bytes >= STEP_BYTES
+    assert found["plan"].estimate.baseline_bytes >= STEPS * loop.iteration_bytes
+
+
+def test_trip_counts_a_condition_implies():
+    from memory_saving_gradients.tfgraph import loop_chunks
+    h = tf.ones([2])
+    unknown = tf.Variable(3)
+    cases = [  # condition, body's counter, first value, maximum_iterations, trips
+        (lambda i: i < 7, lambda i: i + 1, 0, None, 7),
+        (lambda i: i <= 7, lambda i: i + 2, 0, None, 4),
+        (lambda i: 10 > i, lambda i: i + 1, 3, None, 7),
+        (lambda i: i < 3, lambda i: i + 1, 5, None, 0),
+        (lambda i: tf.logical_and(i < 7, unknown > 0), lambda i: i + 1, 0, None, 7),
+        (lambda i: i < 7, lambda i: i + 1, 0, 4, 4),
+        (lambda i: i < unknown, lambda i: i + 1, 0, None, None),  # read at run time
+        (lambda i: i < 7, lambda i: i * 2, 1, None, None),  # not a constant step
+    ]
+    for condition, advance, first, bound, trips in cases:
+        found = {}
+
+        @tf.function
+        def loop():
+            outputs = tf.while_loop(lambda i, h: condition(i), lambda i, h: (advance(i), h * 2),
+                                    (first, h), maximum_iterations=bound)
+            found["op"] = outputs[1].op
+            return outputs
+
+        loop.get_concrete_function()
+        assert loop_chunks.trip_count(found["op"]) == trips, (first, bound, trips)
 
 
 def test_where_a_chunked_loop_gets_its_chunk_states():
@@ -298,13 +330,17 @@ def test_a_loops_gradient_reads_its_inputs_not_its_results():
     assert reads.inputs == tuple(range(len(loop.inputs)))
 
 
-def test_a_nested_loops_stacks_are_the_outer_loops_too():
+@pytest.mark.parametrize("inner_bounded", [True, False])
+def test_a_nested_loops_stacks_are_the_outer_loops_too(inner_bounded):
     # The outer loop's stacks hold, each iteration, the inner loop's stacks
     # (pushed as its TensorLists): T1 * T2 buffers of h. Were counted as
-    # nothing (the probe could not build a body calling other functions).
+    # nothing (the probe could not build a body calling other functions);
+    # an inner loop without maximum_iterations as one iteration (its
+    # condition, j < 8, says 8).
     from benchmarks import loop_stacks
     inner, step_bytes = 8, 256 * 64 * 4
-    loss_of, weights, x = loop_stacks.nested_case(outer=4, inner=inner, batch=256, units=64)
+    loss_of, weights, x = loop_stacks.nested_case(outer=4, inner=inner, batch=256, units=64,
+                                                  inner_bounded=inner_bounded)
     step, plan, weight_bytes = _stock_step(loss_of, weights, x)
     (loop,) = plan.model.loops.values()
     assert inner * step_bytes <= loop.iteration_bytes <= (inner + 2) * step_bytes

@@ -52,6 +52,10 @@ CHUNK_GRADIENT = "MemorySavingGradientsLoopChunk"
 # Set on a forward loop while our gradients are built (`chunked_gradients`).
 LOOP_GRADIENT = "MemorySavingGradientsChunkedLoop"
 _COUNTER, _BOUND = 0, 1  # while_v2's first two loop inputs
+# Comparisons a loop condition may test its counter with: op type ->
+# (the counter is the first operand, the limit is reached too).
+_COMPARISONS = {"Less": (True, False), "LessEqual": (True, True),
+                "Greater": (False, False), "GreaterEqual": (False, True)}
 # Body ops whose outputs are no new memory.
 _FREE_OP_TYPES = frozenset({"Placeholder", "Identity", "Const", "ReadVariableOp"})
 
@@ -64,10 +68,83 @@ def trip_bound(loop: tf.Operation) -> Optional[int]:
     return int(value)
 
 
+def trip_count(loop: tf.Operation) -> Optional[int]:
+    """How many iterations the loop runs at most, if known now: its
+    `maximum_iterations`, else what its condition allows (`condition_trips`)."""
+    bound = trip_bound(loop)
+    return condition_trips(loop) if bound is None else bound
+
+
 def trips(loop: tf.Operation) -> int:
-    """The loop's `maximum_iterations` as a count to scale by: 1 when unknown
-    or zero (`core.loop_chunking.trips` for a loop op)."""
-    return max(trip_bound(loop) or 1, 1)
+    """`trip_count` as a count to scale by: 1 when unknown or zero
+    (`core.loop_chunking.trips` for a loop op)."""
+    return max(trip_count(loop) or 1, 1)
+
+
+def condition_trips(loop: tf.Operation) -> Optional[int]:
+    """Iterations the loop's condition allows when it compares a carried
+    counter with a limit known now (`i < n`, `i <= n`, `n > i`, ...; either
+    side of a logical and), the counter starting at a known value and the
+    body adding a known positive step to it; else None."""
+    cond = (compat.traced_function_graph(loop, "cond")
+            or compat.while_function_graph(loop, loop.get_attr("cond").name))
+    body = (compat.traced_function_graph(loop, "body")
+            or compat.while_function_graph(loop, loop.get_attr("body").name))
+    tests = [loop_recording.passed_through(cond.outputs[0])]
+    found = []
+    while tests:
+        test = tests.pop()
+        if test.op.type == "LogicalAnd":
+            tests.extend(loop_recording.passed_through(t) for t in test.op.inputs)
+        elif test.op.type in _COMPARISONS:
+            found.append(_compared_trips(loop, cond, body, test.op))
+    found = [count for count in found if count is not None]
+    return min(found) if found else None
+
+
+def _compared_trips(loop, cond, body, comparison) -> Optional[int]:
+    """Iterations `comparison` (in `cond`) allows, as `condition_trips` says."""
+    counter_first, inclusive = _COMPARISONS[comparison.type]
+    counter, limit = (comparison.inputs if counter_first else reversed(comparison.inputs))
+    arguments = [t.ref() for t in cond.inputs]
+    counter = loop_recording.passed_through(counter)
+    if counter.ref() not in arguments or not counter.dtype.is_integer:
+        return None
+    index = arguments.index(counter.ref())
+    if index <= _BOUND:  # while_v2's own counter: bounded by maximum_iterations
+        return None
+    start = static_values.static_value(loop.inputs[index])
+    step = _step(body, index)
+    limit = _invariant_value(loop, body, cond, loop_recording.passed_through(limit))
+    if start is None or step is None or limit is None or np.ndim(start) or np.ndim(limit):
+        return None
+    span = int(limit) - int(start) + (1 if inclusive else 0)
+    return max(-(-span // step), 0)
+
+
+def _step(body, index) -> Optional[int]:
+    """The positive constant the body adds to its loop variable `index`, else None."""
+    value = loop_recording.returned_value(body, index)
+    if value.op.type not in ("Add", "AddV2"):
+        return None
+    given = body.inputs[index]
+    terms = [loop_recording.passed_through(t) for t in value.op.inputs]
+    if given.ref() not in [t.ref() for t in terms]:
+        return None
+    step = tf.get_static_value(terms[1] if terms[0] is given else terms[0])
+    return int(step) if step is not None and np.ndim(step) == 0 and step > 0 else None
+
+
+def _invariant_value(loop, body, cond, tensor) -> Optional[np.ndarray]:
+    """The value `tensor` of `cond` has in every iteration, if known now: a
+    constant, or a loop invariant whose input is known."""
+    arguments = [t.ref() for t in cond.inputs]
+    if tensor.ref() not in arguments:
+        return tf.get_static_value(tensor)
+    index = arguments.index(tensor.ref())
+    if not loop_recording.is_invariant(body, index):
+        return None
+    return static_values.static_value(loop.inputs[index])
 
 
 def choose_chunk_size(loop: tf.Operation, bound: int) -> int:
