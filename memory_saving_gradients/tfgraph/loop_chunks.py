@@ -86,10 +86,12 @@ def condition_trips(loop: tf.Operation) -> Optional[int]:
     counter with a limit known now (`i < n`, `i <= n`, `n > i`, ...; either
     side of a logical and), the counter starting at a known value and the
     body adding a known positive step to it; else None."""
-    cond = (compat.traced_function_graph(loop, "cond")
-            or compat.while_function_graph(loop, loop.get_attr("cond").name))
-    body = (compat.traced_function_graph(loop, "body")
-            or compat.while_function_graph(loop, loop.get_attr("body").name))
+    try:
+        cond, body = (compat.traced_function_graph(loop, part)
+                      or compat.while_function_graph(loop, loop.get_attr(part).name)
+                      for part in ("cond", "body"))
+    except (KeyError, ValueError):  # functions not found: unknown
+        return None
     tests = [loop_recording.passed_through(cond.outputs[0])]
     found = []
     while tests:
