@@ -1,9 +1,12 @@
 """What loops keep for their gradient: the simulator's prediction beside the allocator's peak.
 
-    python -m benchmarks.loop_stacks [--cases scan,gru] [--out loop_stacks]
+    python -m benchmarks.loop_stacks [--cases scan,GRU] [--threads default,1] [--out loop_stacks]
 
 Each case is one recurrence over T=64 steps (batch 32, 256 units, 64 input
-features; the nested case 8 outer x 16 inner steps, batch 256, 64 units),
+features; the nested case 8 outer x 16 inner steps, batch 256, 64 units):
+the tanh loop also with its cell a called tf.function ("called"), with a
+tf.cond between it and a sigmoid cell ("cond"), and without
+`maximum_iterations` ("unbounded"),
 differentiated by tf.gradients and by checkpoints='memory' in one
 tf.function step. For each, in a fresh subprocess: the activation memory
 (allocator peak of the step, median of 3 calls after 2 warm-ups, minus the
@@ -24,7 +27,8 @@ import sys
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 STEPS, BATCH, FEATURES, UNITS = 64, 32, 64, 256
-CASES = ("while_tanh", "scan", "SimpleRNN", "GRU", "LSTM", "nested")
+CASES = ("while_tanh", "called", "cond", "unbounded", "scan", "SimpleRNN", "GRU", "LSTM",
+         "nested")
 METHODS = ("tf.gradients", "memory")
 
 
@@ -37,12 +41,20 @@ def case(name):
     wx = tf.Variable(rng.normal(size=(FEATURES, UNITS)).astype(np.float32) * 0.05)
     xs = tf.constant(rng.normal(size=(STEPS, BATCH, FEATURES)).astype(np.float32))
     cell = lambda h, x: tf.tanh(h @ wh + x @ wx)  # noqa: E731
-    if name == "while_tanh":  # h_t = tanh(h @ wh + x_t @ wx), the final h only
+    steps = {  # h_t = step(i, h, x_t), the final h only
+        "while_tanh": lambda i, h, x: cell(h, x),
+        "called": lambda i, h, x: tf.function(cell)(h, x),
+        "cond": lambda i, h, x: tf.cond(i % 2 == 0, lambda: cell(h, x),
+                                        lambda: tf.sigmoid(h @ wh + x @ wx)),
+        "unbounded": lambda i, h, x: cell(h, x),
+    }
+    if name in steps:
         def loss(xs):
             items = tf.TensorArray(tf.float32, STEPS).unstack(xs)
             _, h = tf.while_loop(lambda i, h: i < STEPS,
-                                 lambda i, h: (i + 1, cell(h, items.read(i))),
-                                 [0, tf.zeros([BATCH, UNITS])], maximum_iterations=STEPS)
+                                 lambda i, h: (i + 1, steps[name](i, h, items.read(i))),
+                                 [0, tf.zeros([BATCH, UNITS])],
+                                 maximum_iterations=None if name == "unbounded" else STEPS)
             return tf.reduce_sum(h * h)
         return loss, [wh, wx], xs
     if name == "scan":  # the same cell, every h_t an output
@@ -80,10 +92,13 @@ def nested_case(outer=8, inner=16, batch=256, units=64, inner_bounded=True):
     return loss, [w], h0
 
 
-def measure(name, method):
-    """One row: predicted and measured activation bytes of `method` on case `name`."""
+def measure(name, method, threads):
+    """One row: predicted and measured activation bytes of `method` on case
+    `name`, with TensorFlow's default threading or `threads` inter-op threads."""
     import numpy as np
     import tensorflow as tf
+    if threads != "default":
+        tf.config.threading.set_inter_op_parallelism_threads(int(threads))
     import memory_saving_gradients as msg
     from memory_saving_gradients.tfgraph import profiled_allocations
     loss_of, weights, inputs = case(name)
@@ -105,7 +120,7 @@ def measure(name, method):
         profiled_allocations.allocator_events(lambda: step(inputs))) for _ in range(3))
     est = found["plan"].estimate
     stock = method == "tf.gradients"
-    return {"case": name, "method": method,
+    return {"case": name, "method": method, "threads": threads,
             "predicted": int(est.baseline_bytes if stock else est.peak_bytes),
             "measured": int(requested) - outputs,
             "predicted_allocator": int(est.allocator_baseline_bytes if stock
@@ -113,21 +128,22 @@ def measure(name, method):
             "measured_allocator": int(chunks) - outputs}
 
 
-def run_job(name, method):
+def run_job(name, method, threads):
     env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="1", TF_CPP_MIN_LOG_LEVEL="2")
     done = subprocess.run([sys.executable, "-m", "benchmarks.loop_stacks", "--job", name,
-                           method], env=env, capture_output=True, text=True, timeout=600,
+                           method, threads], env=env, capture_output=True, text=True, timeout=600,
                           check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def table(rows):
-    lines = ["| case | method | bytes requested: predicted / measured MiB (ratio) | "
-             "allocator chunks: predicted / measured MiB (ratio) |", "|---|---|---|---|"]
+    lines = ["| case | method | inter-op threads | bytes requested: predicted / measured MiB "
+             "(ratio) | allocator chunks: predicted / measured MiB (ratio) |",
+             "|---|---|---|---|---|"]
     for row in rows:
         pairs = [(row[f"predicted{kind}"], row[f"measured{kind}"])
                  for kind in ("", "_allocator")]
-        lines.append(f"| {row['case']} | {row['method']} | " + " | ".join(
+        lines.append(f"| {row['case']} | {row['method']} | {row['threads']} | " + " | ".join(
             f"{p / 2**20:.2f} / {m / 2**20:.2f} ({p / max(m, 1):.2f})" for p, m in pairs) + " |")
     return "\n".join(lines) + "\n"
 
@@ -135,13 +151,16 @@ def table(rows):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--threads", default="default",
+                        help="comma-separated: 'default' and/or inter-op thread counts")
     parser.add_argument("--out", default="loop_stacks")
-    parser.add_argument("--job", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--job", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.job:
         print(json.dumps(measure(*args.job)))
         return
-    rows = [run_job(name, method) for name in args.cases.split(",") for method in METHODS]
+    rows = [run_job(name, method, threads) for name in args.cases.split(",")
+            for method in METHODS for threads in args.threads.split(",")]
     with open(RESULTS / f"{args.out}.jsonl", "w") as out:
         out.writelines(json.dumps(row) + "\n" for row in rows)
     (RESULTS / f"{args.out}.md").write_text(table(rows))
