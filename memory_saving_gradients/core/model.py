@@ -83,6 +83,11 @@ class Loop:
       invariant_bytes: bytes of its float loop invariants (the weights its
         body reads): each gradient of it, a chunk's included, sums their
         gradients over its iterations in buffers of their size.
+      gathered_bytes: bytes of the variables its body gathers rows of (an
+        embedding table): each gradient of it makes every iteration's sparse
+        gradient of one dense and adds it to a dense sum, holding buffers of
+        the table's size beside the gradient it returns
+        (`loop_chunking.GATHERED_SUM_BUFFERS`).
     """
     trip_count: Optional[int]
     iteration_bytes: int
@@ -96,6 +101,7 @@ class Loop:
     stacked_items: Tuple[Tuple[str, int], ...] = ()
     outside_bytes: int = 0
     invariant_bytes: int = 0
+    gathered_bytes: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -392,6 +392,15 @@ def resource_shape(handle: tf.Tensor):
     return tf.TensorShape(data.shape_and_type[0].shape)
 
 
+def resource_dtype(handle: tf.Tensor):
+    """The dtype of the variable behind resource tensor `handle` as its handle
+    data records it, or None when none is recorded."""
+    data = handle_data_util.get_resource_handle_data(handle)
+    if data is None or not data.is_set or not data.shape_and_type:
+        return None
+    return tf.as_dtype(data.shape_and_type[0].dtype)
+
+
 def set_parallel_iterations(loop: tf.Operation, count: int) -> None:
     """Sets how many iterations of a While op may run at once."""
     loop._set_attr("parallel_iterations",  # pylint: disable=protected-access

@@ -33,6 +33,8 @@ _ITEM_INPUT = {"TensorListSetItem": 2, _PUSH_OP_TYPE: 1}
 _MEASURED = {}
 # Loop inputs whose buffers exist before the step (arguments, constants, variables).
 _HELD_BEFORE_OP_TYPES = frozenset({"Placeholder", "Const", "ReadVariableOp", "VarHandleOp"})
+# Reads of a variable's rows, whose gradients are IndexedSlices.
+_GATHER_OP_TYPES = frozenset({"ResourceGather", "ResourceGatherNd"})
 # Pushed tensors that share a buffer kept anyway (a variable's value).
 _SHARED_BUFFER_OP_TYPES = frozenset({"ReadVariableOp"})
 # Body ops whose output is a buffer held elsewhere (a list's item, a variable's
@@ -65,7 +67,7 @@ def loop_facts(loop: tf.Operation, rerunnable: bool, region=frozenset()) -> Loop
                 states_saved_when_recomputed=when_recomputed,
                 ahead_bytes=ahead_bytes(loop, body, cond),
                 parallel_iterations=_parallel_iterations(loop),
-                invariant_bytes=invariant_bytes(body),
+                invariant_bytes=invariant_bytes(body), gathered_bytes=gathered_bytes(body),
                 outside_bytes=_outside_bytes(loop, body, region))
 
 
@@ -110,6 +112,23 @@ def invariant_bytes(body) -> int:
             reads = [c.outputs[0] for c in given.consumers() if c.type == "ReadVariableOp"]
             total += max((op_kinds.tensor_bytes(t) for t in reads
                           if t.dtype.is_floating), default=0)
+    return total
+
+
+def gathered_bytes(body) -> int:
+    """Bytes of the variables `body` (a loop's, as `_function_of` reads it)
+    gathers rows of, as loop invariants (an embedding table read by
+    `tf.gather`): their gradients arrive sparse and are summed dense."""
+    if body is None:
+        return 0
+    total = 0
+    for index in range(2, len(body.outputs)):
+        given = body.inputs[index]
+        if (given.dtype == tf.resource and loop_recording.is_invariant(body, index)
+                and any(c.type in _GATHER_OP_TYPES for c in given.consumers())):
+            shape, dtype = compat.resource_shape(given), compat.resource_dtype(given)
+            if shape is not None and shape.is_fully_defined() and dtype is not None:
+                total += shape.num_elements() * dtype.size
     return total
 
 
