@@ -386,19 +386,18 @@ def copy_handle_data(source: tf.Tensor, target: tf.Tensor) -> None:
 def resource_shape(handle: tf.Tensor):
     """The shape of the variable behind resource tensor `handle` as its handle
     data records it, or None when none is recorded."""
+    spec = resource_spec(handle)
+    return None if spec is None else spec.shape
+
+
+def resource_spec(handle: tf.Tensor):
+    """The tf.TensorSpec (shape, dtype) of the variable behind resource tensor
+    `handle` as its handle data records it, or None when none is recorded."""
     data = handle_data_util.get_resource_handle_data(handle)
     if data is None or not data.is_set or not data.shape_and_type:
         return None
-    return tf.TensorShape(data.shape_and_type[0].shape)
-
-
-def resource_dtype(handle: tf.Tensor):
-    """The dtype of the variable behind resource tensor `handle` as its handle
-    data records it, or None when none is recorded."""
-    data = handle_data_util.get_resource_handle_data(handle)
-    if data is None or not data.is_set or not data.shape_and_type:
-        return None
-    return tf.as_dtype(data.shape_and_type[0].dtype)
+    entry = data.shape_and_type[0]
+    return tf.TensorSpec(tf.TensorShape(entry.shape), tf.as_dtype(entry.dtype))
 
 
 def set_parallel_iterations(loop: tf.Operation, count: int) -> None:

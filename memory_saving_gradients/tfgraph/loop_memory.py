@@ -126,9 +126,9 @@ def gathered_bytes(body) -> int:
         given = body.inputs[index]
         if (given.dtype == tf.resource and loop_recording.is_invariant(body, index)
                 and any(c.type in _GATHER_OP_TYPES for c in given.consumers())):
-            shape, dtype = compat.resource_shape(given), compat.resource_dtype(given)
-            if shape is not None and shape.is_fully_defined() and dtype is not None:
-                total += shape.num_elements() * dtype.size
+            spec = compat.resource_spec(given)
+            if spec is not None and spec.shape.is_fully_defined():
+                total += spec.shape.num_elements() * spec.dtype.size
     return total
 
 
