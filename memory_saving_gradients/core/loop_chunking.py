@@ -31,11 +31,11 @@ def chunked_bytes(trip_count: int, size: int, state_bytes: int, step_bytes: int)
 
 
 # A loop gradient's buffers the size of a table its body gathers from, beside
-# the gradient it returns: the zeros it starts the sum from, the running sum,
-# and this iteration's part made dense (measured: 3.05 tables at the peak of
-# a 16-step loop gathering 64 rows of a 20000 x 128 table each step; more
-# where the executor makes parts ahead of the sum).
-GATHERED_SUM_BUFFERS = 3
+# the gradient it returns: the running sum and this iteration's part made
+# dense, the least it holds (measured: 2.08 to 10 tables beside the result;
+# the zeros the sum starts from often stay too, and the executor often makes
+# parts ahead of the sum, up to the loop's parallel_iterations).
+GATHERED_SUM_BUFFERS = 2
 
 
 def gradient_scratch_bytes(loop) -> int:

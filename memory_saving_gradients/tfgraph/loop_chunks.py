@@ -121,7 +121,10 @@ def _compared_trips(loop, cond, body, comparison) -> Optional[int]:
     if start is None or step is None or limit is None or np.ndim(start) or np.ndim(limit):
         return None
     span = int(limit) - int(start) + (1 if inclusive else 0)
-    return max(-(-span // step), 0)
+    trips = max(-(-span // step), 0)
+    # Counted only where the counter's last value fits its dtype (a uint8
+    # stepped past 255 wraps around, and runs on).
+    return trips if int(start) + trips * step <= counter.dtype.max else None
 
 
 def _step(body, index) -> Optional[int]:

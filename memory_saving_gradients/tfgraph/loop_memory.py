@@ -33,8 +33,11 @@ _ITEM_INPUT = {"TensorListSetItem": 2, _PUSH_OP_TYPE: 1}
 _MEASURED = {}
 # Loop inputs whose buffers exist before the step (arguments, constants, variables).
 _HELD_BEFORE_OP_TYPES = frozenset({"Placeholder", "Const", "ReadVariableOp", "VarHandleOp"})
-# Reads of a variable's rows, whose gradients are IndexedSlices.
+# Reads of a variable's rows, whose gradients are IndexedSlices: of its
+# handle, and of its value (input 0).
 _GATHER_OP_TYPES = frozenset({"ResourceGather", "ResourceGatherNd"})
+_VALUE_GATHER_OP_TYPES = frozenset({"GatherV2", "Gather", "GatherNd"})
+_NO_GRADIENT_OP_TYPES = frozenset({"StopGradient", "PreventGradient"})
 # Pushed tensors that share a buffer kept anyway (a variable's value).
 _SHARED_BUFFER_OP_TYPES = frozenset({"ReadVariableOp"})
 # Body ops whose output is a buffer held elsewhere (a list's item, a variable's
@@ -43,10 +46,12 @@ _VIEW_OP_TYPES = _SHARED_BUFFER_OP_TYPES | {"TensorListGetItem", "Identity", "Re
                                             "ExpandDims", "Squeeze"}
 
 
-def loop_facts(loop: tf.Operation, rerunnable: bool, region=frozenset()) -> Loop:
+def loop_facts(loop: tf.Operation, rerunnable: bool, region=frozenset(),
+               differentiated=frozenset()) -> Loop:
     """The `core.model.Loop` of v2 While op `loop`; `rerunnable` if the rewrite
     may rerun it (then it is chunked when `loop_chunks.chunking` says so);
-    `region`: the names of the tensors the planner models."""
+    `region`: the names of the tensors the planner models; `differentiated`:
+    those gradients are asked for (the xs)."""
     size = loop_chunks.chunking(loop)[0] if rerunnable else None
     in_place, when_recomputed = loop_chunks.saves_states(loop, size) if size else (True, True)
     stacked, written = iteration_bytes(loop)
@@ -67,7 +72,8 @@ def loop_facts(loop: tf.Operation, rerunnable: bool, region=frozenset()) -> Loop
                 states_saved_when_recomputed=when_recomputed,
                 ahead_bytes=ahead_bytes(loop, body, cond),
                 parallel_iterations=_parallel_iterations(loop),
-                invariant_bytes=invariant_bytes(body), gathered_bytes=gathered_bytes(body),
+                invariant_bytes=invariant_bytes(body),
+                gathered_bytes=gathered_bytes(loop, body, differentiated),
                 outside_bytes=_outside_bytes(loop, body, region))
 
 
@@ -115,21 +121,35 @@ def invariant_bytes(body) -> int:
     return total
 
 
-def gathered_bytes(body) -> int:
-    """Bytes of the variables `body` (a loop's, as `_function_of` reads it)
-    gathers rows of, as loop invariants (an embedding table read by
-    `tf.gather`): their gradients arrive sparse and are summed dense."""
+def gathered_bytes(loop: tf.Operation, body, differentiated) -> int:
+    """Bytes of the float variables `body` (`loop`'s, as `_function_of` reads
+    it) gathers rows of, as loop invariants, among those `differentiated`
+    (names of the tensors gradients are asked for): an embedding table read
+    by `tf.gather` (its handle's, or a Keras Embedding's read value). Their
+    gradients arrive sparse and are summed dense."""
     if body is None:
         return 0
     total = 0
     for index in range(2, len(body.outputs)):
-        given = body.inputs[index]
+        given, spec = body.inputs[index], None
         if (given.dtype == tf.resource and loop_recording.is_invariant(body, index)
-                and any(c.type in _GATHER_OP_TYPES for c in given.consumers())):
+                and loop_recording.passed_through(loop.inputs[index]).name in differentiated
+                and _rows_read(given)):
             spec = compat.resource_spec(given)
-            if spec is not None and spec.shape.is_fully_defined():
-                total += spec.shape.num_elements() * spec.dtype.size
+        if spec is not None and spec.dtype.is_floating and spec.shape.is_fully_defined():
+            total += spec.shape.num_elements() * spec.dtype.size
     return total
+
+
+def _rows_read(handle: tf.Tensor) -> bool:
+    """True if a gather reads rows of the variable behind `handle` for a
+    value with a gradient (not only through tf.stop_gradient)."""
+    gathers = [c for c in handle.consumers() if c.type in _GATHER_OP_TYPES]
+    for read in (c.outputs[0] for c in handle.consumers() if c.type == "ReadVariableOp"):
+        gathers += [c for c in read.consumers()
+                    if c.type in _VALUE_GATHER_OP_TYPES and c.inputs[0] is read]
+    return any(c.type not in _NO_GRADIENT_OP_TYPES
+               for gather in gathers for c in gather.outputs[0].consumers())
 
 
 def _parallel_iterations(loop: tf.Operation) -> int:

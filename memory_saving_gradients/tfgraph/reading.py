@@ -237,7 +237,7 @@ def build_model(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor]) -> Reading:
     # Whole ops: tf.gradients stops at ops, so a kept output's recomputed
     # sibling would lose its gradient.
     pinned = {o for n in pinned for o in op_outputs[tensors[n].op]}
-    loop_facts = {op.name: loop_memory.loop_facts(op, op in rerunnable, activations)
+    loop_facts = {op.name: loop_memory.loop_facts(op, op in rerunnable, activations, x_names)
                   for op in units
                   if op.type in loops.LOOP_OP_TYPES and op.name in op_outputs}
     graph = nx.DiGraph()
