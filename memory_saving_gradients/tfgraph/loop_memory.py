@@ -370,7 +370,7 @@ def _held_bytes(t: tf.Tensor, traced: Optional[tf.Graph]) -> int:
         known = _known_bytes(value, traced if value is buffer else None)
         if known is not None:
             return known
-    return max((_bytes(v, traced) for v in values), default=0)
+    return max((_bytes(v, traced if v is buffer else None) for v in values), default=0)
 
 
 def _probe(loop):
