@@ -98,6 +98,16 @@ def test_trip_counts_a_condition_implies():
         loop.get_concrete_function()
         assert loop_chunks.trip_count(found["op"]) == trips, (first, bound, trips)
 
+    @tf.function
+    def ranged(h):  # AutoGraph's loop: its step a loop invariant (counted 1 before)
+        for _ in tf.range(2, 15, 3):
+            h = h * 2.0
+        return h
+
+    graph = ranged.get_concrete_function(tf.TensorSpec([2], tf.float32)).graph
+    (loop,) = [op for op in graph.get_operations() if op.type in ("While", "StatelessWhile")]
+    assert loop_chunks.trip_count(loop) == 5
+
 
 def test_where_a_chunked_loop_gets_its_chunk_states():
     # Its forward run can save the boundaries either way; a copy the plan
@@ -174,7 +184,7 @@ def test_a_state_passed_on_is_one_stacked_buffer():
             peaks.append(_requested_peak(step, x))
             predicted.append(plan.estimate.baseline_bytes)
         measured = (peaks[1] - peaks[0]) / 16 / step_bytes
-        assert abs(measured - buffers) < 0.15, (buffers, measured)
+        assert abs(measured - buffers) < 0.15 * buffers, (buffers, measured)  # within 15%
         assert (predicted[1] - predicted[0]) / 16 == buffers * step_bytes
 
 

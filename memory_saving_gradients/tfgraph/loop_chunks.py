@@ -116,7 +116,7 @@ def _compared_trips(loop, cond, body, comparison) -> Optional[int]:
     if index <= _BOUND:  # while_v2's own counter: bounded by maximum_iterations
         return None
     start = static_values.static_value(loop.inputs[index])
-    step = _step(body, index)
+    step = _step(loop, body, index)
     limit = _invariant_value(loop, body, cond, loop_recording.passed_through(limit))
     if start is None or step is None or limit is None or np.ndim(start) or np.ndim(limit):
         return None
@@ -127,8 +127,9 @@ def _compared_trips(loop, cond, body, comparison) -> Optional[int]:
     return trips if int(start) + trips * step <= counter.dtype.max else None
 
 
-def _step(body, index) -> Optional[int]:
-    """The positive constant the body adds to its loop variable `index`, else None."""
+def _step(loop, body, index) -> Optional[int]:
+    """The positive value known now (a constant, or a loop invariant such as
+    AutoGraph's range step) the body adds to its loop variable `index`, else None."""
     value = loop_recording.returned_value(body, index)
     if value.op.type not in ("Add", "AddV2"):
         return None
@@ -136,14 +137,14 @@ def _step(body, index) -> Optional[int]:
     terms = [loop_recording.passed_through(t) for t in value.op.inputs]
     if given.ref() not in [t.ref() for t in terms]:
         return None
-    step = tf.get_static_value(terms[1] if terms[0] is given else terms[0])
+    step = _invariant_value(loop, body, body, terms[1] if terms[0] is given else terms[0])
     return int(step) if step is not None and np.ndim(step) == 0 and step > 0 else None
 
 
-def _invariant_value(loop, body, cond, tensor) -> Optional[np.ndarray]:
-    """The value `tensor` of `cond` has in every iteration, if known now: a
-    constant, or a loop invariant whose input is known."""
-    arguments = [t.ref() for t in cond.inputs]
+def _invariant_value(loop, body, function, tensor) -> Optional[np.ndarray]:
+    """The value `tensor` of `function` (`loop`'s cond or body) has in every
+    iteration, if known now: a constant, or a loop invariant whose input is known."""
+    arguments = [t.ref() for t in function.inputs]
     if tensor.ref() not in arguments:
         return tf.get_static_value(tensor)
     index = arguments.index(tensor.ref())
