@@ -191,12 +191,10 @@ def while_function_graph_in(loop: tf.Operation, name: str, graph: tf.Graph):
     makes zeros for a variable one branch does not read, and fails without
     it), and its function calls their traced twins' gradient functions (an
     imported call op has none: "no attribute 'python_grad_func'")."""
-    owner = loop.graph
-    while owner is not None and owner._get_function(name) is None:  # pylint: disable=protected-access
-        owner = getattr(owner, "outer_graph", None)
-    if owner is None:
+    function, owner = _registered_function(loop.graph, name)
+    if function is None:
         raise KeyError(f"function {name} of {loop.name} not found")
-    definition = owner._get_function(name).cached_definition  # pylint: disable=protected-access
+    definition = function.cached_definition
     _add_called_functions(definition, owner, graph)
     shapes = [tf.TensorShape(s) for s in loop.get_attr("output_shapes")]
     with graph.as_default():
@@ -215,6 +213,17 @@ def while_function_graph_in(loop: tf.Operation, name: str, graph: tf.Graph):
     return imported
 
 
+def _registered_function(graph: tf.Graph, name: str) -> tuple:
+    """(the function `name`, the graph it is registered in): looked up in
+    `graph`, then in the graphs it is built in; (None, None) if none has it."""
+    while graph is not None:
+        function = graph._get_function(name)  # pylint: disable=protected-access
+        if function is not None:
+            return function, graph
+        graph = getattr(graph, "outer_graph", None)
+    return None, None
+
+
 def _add_called_functions(definition, owner: tf.Graph, graph: tf.Graph) -> None:
     """Registers in `graph` the functions `definition` calls through function
     attributes (a nested loop's cond and body), and those they call, found in
@@ -228,10 +237,7 @@ def _add_called_functions(definition, owner: tf.Graph, graph: tf.Graph) -> None:
                 for name in names:
                     if not name or graph._is_function(name):  # pylint: disable=protected-access
                         continue
-                    found, where = None, owner
-                    while found is None and where is not None:
-                        found = where._get_function(name)  # pylint: disable=protected-access
-                        where = getattr(where, "outer_graph", None)
+                    found, _ = _registered_function(owner, name)
                     if found is not None:
                         graph._add_function(found)  # pylint: disable=protected-access
                         todo.append(found.cached_definition)
@@ -262,12 +268,10 @@ def called_function_graphs(op: tf.Operation) -> tuple:
     scratch = tf.Graph()  # holds what the functions call, for the import
     graphs = []
     for name in names:
-        where = op.graph
-        while where is not None and where._get_function(name) is None:  # pylint: disable=protected-access
-            where = getattr(where, "outer_graph", None)
-        if where is None:
+        function, where = _registered_function(op.graph, name)
+        if function is None:
             return (), ()
-        definition = where._get_function(name).cached_definition  # pylint: disable=protected-access
+        definition = function.cached_definition
         _add_called_functions(definition, where, scratch)
         with scratch.as_default():
             graphs.append(function_def_to_graph.function_def_to_graph(definition,
