@@ -60,6 +60,16 @@ _COMPARISONS = {"Less": (True, False), "LessEqual": (True, True),
 _FREE_OP_TYPES = frozenset({"Placeholder", "Identity", "Const", "ReadVariableOp"})
 
 
+def loop_function(loop: tf.Operation, part: str = "body"):
+    """The loop's `part` ('body' or 'cond') as a FuncGraph: as traced in
+    Python when available (complete shapes), else imported; None if neither."""
+    try:
+        return (compat.traced_function_graph(loop, part)
+                or compat.while_function_graph(loop, loop.get_attr(part).name))
+    except (KeyError, ValueError):
+        return None
+
+
 def trip_bound(loop: tf.Operation) -> Optional[int]:
     """The loop's `maximum_iterations` if known now (>= 0), else None."""
     value = static_values.static_value(loop.inputs[_BOUND])
@@ -86,11 +96,8 @@ def condition_trips(loop: tf.Operation) -> Optional[int]:
     counter with a limit known now (`i < n`, `i <= n`, `n > i`, ...; either
     side of a logical and), the counter starting at a known value and the
     body adding a known positive step to it; else None."""
-    try:
-        cond, body = (compat.traced_function_graph(loop, part)
-                      or compat.while_function_graph(loop, loop.get_attr(part).name)
-                      for part in ("cond", "body"))
-    except (KeyError, ValueError):  # functions not found: unknown
+    cond, body = loop_function(loop, "cond"), loop_function(loop)
+    if cond is None or body is None:
         return None
     tests = [loop_recording.passed_through(cond.outputs[0])]
     found = []
