@@ -12,6 +12,7 @@ loses the shapes of variables read inside it).
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Optional
 
@@ -253,6 +254,14 @@ def _measure(loop):
     except Exception:  # pylint: disable=broad-except  # a loop we cannot probe: unknown
         logger.debug("loop %s not probed", loop.name, exc_info=True)
         return 0, ()
+    finally:
+        _called_functions.cache_clear()  # the probe's scratch graphs go with it
+
+
+@functools.lru_cache(maxsize=None)
+def _called_functions(op: tf.Operation) -> tuple:
+    """`compat.called_function_graphs(op)`, imported once per op of a probe."""
+    return compat.called_function_graphs(op)
 
 
 def _pushed_bytes(pushed: list, traced: Optional[tf.Graph]) -> int:
@@ -304,7 +313,7 @@ def _buffer_of(t: tf.Tensor) -> tf.Tensor:
     wrapped in optionals.) `t` itself where the branches disagree."""
     t = loop_recording.passed_through(t)
     while True:
-        functions, arguments = compat.called_function_graphs(t.op)
+        functions, arguments = _called_functions(t.op)
         found = {_buffer_in(function, arguments, t) for function in functions} - {None}
         if len(found) != 1:
             return t
@@ -348,7 +357,7 @@ def _held_bytes(t: tf.Tensor, traced: Optional[tf.Graph]) -> int:
     is (`_buffer_of`; for an optional a cond returns, the one it holds)
     where that shape is known, else of the larger value the functions its
     op runs return there."""
-    functions, _ = compat.called_function_graphs(t.op)
+    functions, _ = _called_functions(t.op)
     values = [v for v in (_value_in(f.outputs[t.value_index]) for f in functions) if v is not None]
     if any(v.op.type in _SHARED_BUFFER_OP_TYPES for v in values + [t]):
         return 0
