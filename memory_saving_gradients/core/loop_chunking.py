@@ -38,10 +38,13 @@ def chunked_bytes(trip_count: int, size: int, state_bytes: int, step_bytes: int)
 GATHERED_SUM_BUFFERS = 2
 
 
-def gradient_scratch_bytes(loop) -> int:
-    """What a gradient of a `core.model.Loop` (or of a chunk of it) sums its
-    weights' gradients in, beside the stacks it reads."""
-    return loop.invariant_bytes + GATHERED_SUM_BUFFERS * loop.gathered_bytes
+def gradient_scratch_bytes(loop, chunk: bool) -> int:
+    """What a gradient of a `core.model.Loop` sums in beside the stacks it
+    reads: a gathered table's dense sums, and for a gradient of one `chunk`
+    its weights' gradients too (the loop's whole gradient sums those in its
+    outputs)."""
+    own_sums = loop.invariant_bytes if chunk else 0
+    return own_sums + GATHERED_SUM_BUFFERS * loop.gathered_bytes
 
 
 def trips(loop) -> int:

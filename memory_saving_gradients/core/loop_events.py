@@ -96,7 +96,7 @@ class LoopEvents:
             chain = op not in self.copied and not loop.states_saved_in_place
             stacks = loop_chunking.chunk_stack_bytes(loop)
             self._scratch(stacks + loop_chunking.rewritten_bytes(loop)
-                          + loop_chunking.gradient_scratch_bytes(loop)
+                          + loop_chunking.gradient_scratch_bytes(loop, chunk=True)
                           + (loop_chunking.boundary_bytes(loop) if chain else 0))
             self._run_ahead(op, where + ("chunk",), loop,
                             min(loop.chunk_size, loop_chunking.trips(loop)), stacks, True)
@@ -104,4 +104,4 @@ class LoopEvents:
             self.recompute_flops += runs * self.tensors[self.model.op_outputs[op][0]].cost
         else:
             self._use(("loop", where, op))
-            self._scratch(loop_chunking.GATHERED_SUM_BUFFERS * loop.gathered_bytes)
+            self._scratch(loop_chunking.gradient_scratch_bytes(loop, chunk=False))
