@@ -28,7 +28,7 @@ import sys
 RESULTS = pathlib.Path(__file__).parent / "results"
 STEPS, BATCH, FEATURES, UNITS = 64, 32, 64, 256
 CASES = ("while_tanh", "called", "cond", "unbounded", "scan", "SimpleRNN", "GRU", "LSTM",
-         "nested")
+         "bidirectional_GRU", "bidirectional_LSTM", "nested")
 METHODS = ("tf.gradients", "memory")
 
 
@@ -64,7 +64,10 @@ def case(name):
         return loss, [wh, wx], xs
     if name == "nested":
         return nested_case()
-    layer = getattr(tf.keras.layers, name)(UNITS, return_sequences=True)
+    direction, kind = name.split("_") if "_" in name else (None, name)
+    layer = getattr(tf.keras.layers, kind)(UNITS, return_sequences=True)
+    if direction == "bidirectional":
+        layer = tf.keras.layers.Bidirectional(layer)
     layer.build((BATCH, STEPS, FEATURES))
 
     def loss(xs):

@@ -214,8 +214,9 @@ def test_recomputed_chunked_loop_takes_forward_outputs_or_reruns_a_chain():
     # boundaries, the copy takes the forward's outputs: boundaries and t02 stay
     # alive through the tail (27 B, see above), 27 + 20 + 1, and the copy is
     # not run again. When a chain of chunks recomputes it in its level, the
-    # boundaries exist only there: t00..t03, two gradients, 20 boundaries and
-    # one chunk, 31 B; the chain is one more run of the loop.
+    # boundaries exist only there, with the stacks of the chain's last chunk
+    # (5 B), which the stock gradient differentiates: made by the chain's run,
+    # freed by the loop's gradient, 33 B; the chain is one more run of the loop.
     model, names = chain(30, reads="output")
     facts = dict(trip_count=100, iteration_bytes=B, state_bytes=B, chunk_size=5)
     saved = with_loop(model, "t02", **facts)
@@ -223,7 +224,7 @@ def test_recomputed_chunked_loop_takes_forward_outputs_or_reruns_a_chain():
     saved_est = timeline.predict(saved, planning.make_plan(saved, {names[4]}, "list"))
     rerun_est = timeline.predict(rerun, planning.make_plan(rerun, {names[4]}, "list"))
     assert saved_est.peak_bytes == 48 * B
-    assert rerun_est.peak_bytes == 31 * B
+    assert rerun_est.peak_bytes == 33 * B
     assert rerun_est.recompute_flops == saved_est.recompute_flops + 1
 
 

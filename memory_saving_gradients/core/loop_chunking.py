@@ -67,6 +67,13 @@ def chunk_stack_bytes(loop) -> int:
     return min(loop.chunk_size, trips(loop)) * loop.iteration_bytes
 
 
+def last_chunk_trips(loop) -> int:
+    """Iterations of a chunked `Loop`'s last chunk: of its ceil(T/k) chunks
+    all but the last are k iterations long."""
+    chunks = math.ceil(trips(loop) / loop.chunk_size)
+    return trips(loop) - (chunks - 1) * loop.chunk_size
+
+
 def rewritten_bytes(loop) -> int:
     """What a rerun of a `Loop` writes into its lists again (its output sequence)."""
     return loop.written_bytes * trips(loop)

@@ -53,6 +53,14 @@ class LoopEvents:
                 buffers = math.ceil(trips / loop.chunk_size)
             if not original:  # a chain of chunks, each a loop of its own
                 run = min(loop.chunk_size, trips)
+                # Its last chunk is differentiated by the stock gradient: its
+                # stacks stay from this run to the loop's gradient (less the
+                # items its output lists hold too, counted as those outputs).
+                last = loop_chunking.last_chunk_trips(loop)
+                shared = sum(size for _, size in loop.stacked_items)
+                self._alloc(("last chunk", where, op),
+                            last * max(0, loop.iteration_bytes - shared))
+                self.pieces[("last chunk", where, op)] = last
         elif not original:  # rerun whole: its stacks, and its lists written again
             kept = loop_chunking.stacked_bytes(loop) + loop_chunking.rewritten_bytes(loop)
             self._hold_list_items_once(where, loop, trips)
@@ -95,7 +103,11 @@ class LoopEvents:
             self._use(("loop", where, op))
             chain = op not in self.copied and not loop.states_saved_in_place
             stacks = loop_chunking.chunk_stack_bytes(loop)
-            self._scratch(stacks + loop_chunking.rewritten_bytes(loop)
+            rerun_stacks = stacks  # the chunks rerun here; the last one's may be kept already
+            if ("last chunk", where, op) in self.born:  # the first chunk differentiated
+                self._use(("last chunk", where, op))
+                rerun_stacks -= self.born[("last chunk", where, op)][1]
+            self._scratch(rerun_stacks + loop_chunking.rewritten_bytes(loop)
                           + loop_chunking.gradient_scratch_bytes(loop, chunk=True)
                           + (loop_chunking.boundary_bytes(loop) if chain else 0))
             self._run_ahead(op, where + ("chunk",), loop,
