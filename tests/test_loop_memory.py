@@ -532,3 +532,40 @@ def test_nothing_is_ahead_where_the_next_iteration_waits_for_the_state():
     assert _ahead_bytes_of(projected) == STEP_BYTES
     assert _ahead_bytes_of(projected, cond=lambda i, h: tf.reduce_max(h) < 2.0) == 0
     assert _ahead_bytes_of(read_at_token, extra=(0,)) == 0
+
+
+def test_a_kept_loops_gradient_runs_one_iteration_at_a_time():
+    # In a Session a loop reading a variable is kept, and the stock gradient
+    # differentiates it. With several iterations in flight its gradient loop
+    # runs the chain of h's gradients ahead, and each iteration's [H, H]
+    # weight-gradient partial waits for the running sum: with one inter-op
+    # thread the loop's parallel_iterations (10) of them were held, 4.2 MiB
+    # measured against 2.1 predicted; one at a time, 2.25.
+    steps, batch, width = 64, 32, 256
+    x_value = np.random.default_rng(0).normal(size=(batch, width)).astype(np.float32)
+
+    def run(differentiate):
+        graph = tf.Graph()
+        with graph.as_default():
+            w = tf.Variable(np.eye(width, dtype=np.float32) * 0.5)
+            x = tf.compat.v1.placeholder(tf.float32, [batch, width])
+            h = tf.while_loop(lambda h: True, lambda h: tf.tanh(h @ w), [x],
+                              maximum_iterations=steps)[0]
+            loss = tf.reduce_sum(h * h)
+            plan = msg.checkpoint_plan(loss, [w], "memory")
+            grads = differentiate(loss, [w])
+            loops = [op for op in graph.get_operations() if op.type in ("While", "StatelessWhile")]
+            config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=1)
+            with tf.compat.v1.Session(config=config) as sess:
+                sess.run(tf.compat.v1.global_variables_initializer())
+                peak, values = msg.session_peak_bytes(sess, grads, {x: x_value})
+        return plan, loops, peak, values
+
+    plan, loops, peak, ours = run(lambda y, xs: msg.gradients(y, xs, checkpoints="memory"))
+    *_, stock = run(tf.gradients)
+    np.testing.assert_allclose(ours, stock, rtol=1e-5)
+    (loop,) = plan.model.loops.values()
+    assert loop.chunk_size is None  # kept: differentiated by the stock gradient
+    assert [op.get_attr("parallel_iterations") for op in loops] == [10, 1]
+    measured = peak - width * width * 4  # less the weight gradient it returns
+    assert 0.85 <= plan.estimate.peak_bytes / measured <= 1.15, (plan.estimate, measured)

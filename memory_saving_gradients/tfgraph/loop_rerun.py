@@ -9,6 +9,7 @@ import tensorflow as tf
 
 from memory_saving_gradients.tfgraph import compat
 from memory_saving_gradients.tfgraph import loop_recording
+from memory_saving_gradients.tfgraph import loops
 from memory_saving_gradients.tfgraph import gradient_waits
 
 
@@ -79,6 +80,23 @@ def copy_while(loop, inputs, gradient=None, one_at_a_time=False):
     for old_t, new_t in zip(loop.outputs, new.outputs):  # the recorded lists: none
         new_t.set_shape(old_t.shape)
     return new
+
+
+def one_iteration_at_a_time(backprop_ops: list) -> None:
+    """Lets the While ops among `backprop_ops` run one iteration at a time.
+
+    A stock gradient loop with several iterations in flight runs its chain of
+    state gradients ahead, and each iteration's weight-gradient partial waits
+    for the running sum of those before it: with one inter-op thread (or two
+    such loops at once on two) up to `parallel_iterations` partials are held.
+    A budgeted plan of a Bidirectional GRU (64 steps, 256 units) that keeps
+    its loops measured 44.7 MiB with one thread against 24.7 one iteration at
+    a time (its budget 23.4), in about the same step time (default threading:
+    223-231 ms against 248).
+    """
+    for op in backprop_ops:
+        if op.type in loops.LOOP_OP_TYPES:
+            compat.set_parallel_iterations(op, 1)
 
 
 def give_own_loop_functions(loop: tf.Operation) -> None:

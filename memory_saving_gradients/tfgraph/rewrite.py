@@ -38,6 +38,7 @@ from memory_saving_gradients.tfgraph import product_order
 from memory_saving_gradients.tfgraph import conv_gradients
 from memory_saving_gradients.tfgraph import grouped_conv_calls
 from memory_saving_gradients.tfgraph import loop_chunks
+from memory_saving_gradients.tfgraph import loop_rerun
 from memory_saving_gradients.tfgraph import max_pool_grad_grad
 from memory_saving_gradients.tfgraph import pool_gradients
 from memory_saving_gradients.tfgraph import side_inputs
@@ -254,6 +255,7 @@ class _Backprop:
         grads = compat.stock_gradients(targets, sources, seeds, name="backprop",
                                        stop_gradients=stops, **self._tf_kwargs)
         new_ops = _backprop_ops(self._graph.get_operations()[first_new_op:])
+        loop_rerun.one_iteration_at_a_time(new_ops)
         if self._reading.gated:  # not across tf.compat.v1 control flow contexts
             # Means' and sums' gradients added into x's by broadcasting, not
             # as full-size copies (broadcast_sinking.py); the ops they replace are left unread.
