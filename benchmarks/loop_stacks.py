@@ -6,7 +6,8 @@ Each case is one recurrence over T=64 steps (batch 32, 256 units, 64 input
 features; the nested case 8 outer x 16 inner steps, batch 256, 64 units):
 the tanh loop also with its cell a called tf.function ("called"), with a
 tf.cond between it and a sigmoid cell ("cond"), and without
-`maximum_iterations` ("unbounded"),
+`maximum_iterations` ("unbounded"), and Keras's GRU and LSTM also in a
+Bidirectional layer ("bidirectional_GRU", "bidirectional_LSTM"),
 differentiated by tf.gradients and by checkpoints='memory' in one
 tf.function step. For each, in a fresh subprocess: the activation memory
 (allocator peak of the step, median of 3 calls after 2 warm-ups, minus the
