@@ -5,6 +5,8 @@ import pytest
 import tensorflow as tf
 
 import memory_saving_gradients as msg
+from memory_saving_gradients.tfgraph import allocations
+from memory_saving_gradients.tfgraph.loops import LOOP_OP_TYPES
 
 STEPS, BATCH, WIDTH = 50, 8, 16
 STEP_BYTES = BATCH * WIDTH * 4  # one float32 [BATCH, WIDTH]
@@ -105,7 +107,7 @@ def test_trip_counts_a_condition_implies():
         return h
 
     graph = ranged.get_concrete_function(tf.TensorSpec([2], tf.float32)).graph
-    (loop,) = [op for op in graph.get_operations() if op.type in ("While", "StatelessWhile")]
+    (loop,) = [op for op in graph.get_operations() if op.type in LOOP_OP_TYPES]
     assert loop_chunks.trip_count(loop) == 5
 
 
@@ -554,11 +556,14 @@ def test_a_kept_loops_gradient_runs_one_iteration_at_a_time():
             loss = tf.reduce_sum(h * h)
             plan = msg.checkpoint_plan(loss, [w], "memory")
             grads = differentiate(loss, [w])
-            loops = [op for op in graph.get_operations() if op.type in ("While", "StatelessWhile")]
+            loops = [op for op in graph.get_operations() if op.type in LOOP_OP_TYPES]
             config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=1)
             with tf.compat.v1.Session(config=config) as sess:
                 sess.run(tf.compat.v1.global_variables_initializer())
-                peak, values = msg.session_peak_bytes(sess, grads, {x: x_value})
+                values = sess.run(grads, {x: x_value})
+                # Bytes requested: BFC's chunks depend on what the process
+                # allocated before (up to 1.24 of this in a full test run).
+                peak = allocations.requested_run_peak(sess, grads, {x: x_value})
         return plan, loops, peak, values
 
     plan, loops, peak, ours = run(lambda y, xs: msg.gradients(y, xs, checkpoints="memory"))
