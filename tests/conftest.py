@@ -1,5 +1,6 @@
 """Test setup shared by every test file: environment, the runtime fixture, and the
-fixtures several test files use (the tape tests' weights, the API tests' chain).
+fixtures several test files use (the tape tests' weights, the API tests' chain,
+the loop tests' mode).
 
 The stock-versus-ours harness lives in harness.py; shared models in models.py.
 """
@@ -19,7 +20,9 @@ import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from harness import RUNTIMES  # noqa: E402
+from memory_saving_gradients.core import loop_plans  # noqa: E402
 from memory_saving_gradients.core import strategies  # noqa: E402
+from memory_saving_gradients.core.planning import LoopModes  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -29,6 +32,15 @@ def _rewrite_where_stock_is_predicted_lower(request, monkeypatch):
     tests marked `stock_fallback` check that fallback itself."""
     if request.node.get_closest_marker("stock_fallback") is None:
         monkeypatch.setattr(strategies, "STOCK_FALLBACK", False)
+
+
+@pytest.fixture
+def loops_rerun_by_their_levels(monkeypatch):
+    """For the tests of a loop a level reruns (or differentiates after the last
+    checkpoint): 'memory' may keep a loop in chunks from its forward pass
+    where the timeline prices that lower (test_loop_plans.py), so its search
+    is left to the default loop mode."""
+    monkeypatch.setattr(loop_plans, "settings", lambda model: [LoopModes()])
 
 
 @pytest.fixture(params=RUNTIMES)

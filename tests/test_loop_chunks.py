@@ -18,6 +18,10 @@ from harness import gradients_vs_stock
 from harness import stock_gradients
 from memory_saving_gradients.tfgraph import loop_chunks
 
+# These tests are about the chunks of a loop a level reruns or that is
+# differentiated after the last checkpoint (conftest.py).
+pytestmark = pytest.mark.usefixtures("loops_rerun_by_their_levels")
+
 
 def _normal(shape, scale=1.0, seed=0):
     return (np.random.RandomState(seed).randn(*shape) * scale).astype(np.float32)

@@ -125,7 +125,8 @@ def memory(model: GraphModel, problem=None) -> Result:
     """The least predicted peak; among plans of that peak, the least recompute.
 
     The cut model's least-peak plans often recompute more than another plan
-    the timeline prices at the same peak, so that one is searched for too.
+    the timeline prices at the same peak, so that one is searched for too,
+    under the loop modes the least-peak plan chose.
     `problem` is `cut_problem(model)`, built here when not given.
 
     Example: on a 100-layer tanh chain it keeps about 10 tensors, spaced so the
@@ -135,10 +136,9 @@ def memory(model: GraphModel, problem=None) -> Result:
     least = least_peak(model, problem)
     if least.plan.stock:  # nothing recomputes less
         return least
-    # Loops stay as the model has them (rerun in chunks): a kept loop's stacks
-    # often tie at a peak set elsewhere on a small model, and 'memory' is the
-    # mode that reruns loops to save their memory.
-    cheaper = _fitting(model, problem, least.peak_bytes, "memory", planning.LoopModes())
+    modes = least.plan.loops
+    cheaper = _fitting(model, loop_plans.adjusted(problem, model, modes), least.peak_bytes,
+                       "memory", modes)
     if cheaper is None or cheaper.recompute_flops >= least.recompute_flops:
         return least
     return dataclasses.replace(cheaper, notes=cheaper.notes + (
@@ -148,12 +148,14 @@ def memory(model: GraphModel, problem=None) -> Result:
 
 def least_peak(model: GraphModel, problem=None) -> Result:
     """Keeps the tensors alive across the cuts of least predicted peak (ties:
-    least recompute); tf.gradients itself when none is predicted below it.
+    least recompute), each loop rerun by its level or kept, whichever the
+    timeline prices lower (`low_peak_candidates`); tf.gradients itself when
+    none is predicted below it.
 
     `problem` is `cut_problem(model)`, built here when not given (callers that
     go on to `fitting_plan` pass theirs so it is built once).
     """
-    return _solved(model, "memory", None, problem)
+    return _solved(model, "memory", None, problem, loop_plans.settings(model))
 
 
 def fitting_plan(model: GraphModel, problem, max_bytes, name, peak=None) -> Optional[Result]:
@@ -251,14 +253,15 @@ def cut_problem(model: GraphModel):
     return cuts.from_model(model, max_cuts=MAX_CUTS)
 
 
-def _solved(model, name, forbidden, problem=None):
-    """The least predicted peak among the cut model's best plans (ties: least recompute).
+def _solved(model, name, forbidden, problem=None, settings=(planning.LoopModes(),)):
+    """The least predicted peak among the cut model's best plans under each of
+    the loop `settings` (ties: least recompute).
 
     The cut model counts every recomputed output as alive at once and sees no
     gradients nor scratch buffers; the timeline does, and ranks its few best
     plans (one per bound on the largest interval) differently.
     """
-    priced = _candidates(model, name, forbidden, problem)
+    priced = _candidates(model, name, forbidden, problem, settings)
     best = min(priced, key=lambda r: (r.peak_bytes, r.recompute_flops))
     if best.peak_bytes < best.estimate.baseline_bytes or not STOCK_FALLBACK:
         return best
@@ -274,22 +277,26 @@ def _solved(model, name, forbidden, problem=None):
 
 
 def low_peak_candidates(model: GraphModel, problem=None) -> list:
-    """The cut model's few best plans, priced by the timeline (`least_peak`
+    """The cut model's few best plans under each way of differentiating the
+    model's loops (`loop_plans.settings`), priced by the timeline (`least_peak`
     picks one): a budget judges them by another peak than 'memory' does."""
-    return _candidates(model, "memory", None, problem)
+    return _candidates(model, "memory", None, problem, loop_plans.settings(model))
 
 
-def _candidates(model, name, forbidden, problem=None):
-    """The cut model's `CANDIDATE_PLANS` best plans (`solvers.low_peak_plans`), priced."""
+def _candidates(model, name, forbidden, problem, settings):
+    """The cut model's `CANDIDATE_PLANS` best plans (`solvers.low_peak_plans`)
+    under each of the loop `settings`, priced."""
     problem = problem or cut_problem(model)
     priced = []
-    for found in solvers.low_peak_plans(problem, forbidden, CANDIDATE_PLANS):
-        names = tensors_of(model, found.cost.kept_ops)
-        note = (f"kept {len(names)} tensors alive across {len(found.cuts)} of "
-                f"{len(problem.cuts)} candidate cuts: the least predicted peak of the "
-                f"cut model's {CANDIDATE_PLANS} best plans (cut model: "
-                f"{found.cost.peak_bytes / 2**20:.1f} MiB)")
-        priced.append(result_of(model, names, name, (note,)))
+    for modes in settings:
+        adjusted = loop_plans.adjusted(problem, model, modes)
+        for found in solvers.low_peak_plans(adjusted, forbidden, CANDIDATE_PLANS):
+            names = tensors_of(model, found.cost.kept_ops)
+            note = (f"kept {len(names)} tensors alive across {len(found.cuts)} of "
+                    f"{len(problem.cuts)} candidate cuts: the least predicted peak of the "
+                    f"cut model's {CANDIDATE_PLANS} best plans (cut model: "
+                    f"{found.cost.peak_bytes / 2**20:.1f} MiB)")
+            priced.append(result_of(model, names, name, (note,), loops=modes))
     return priced
 
 

@@ -203,8 +203,3 @@ def seed_after_gate(seed, level_gate):
     with tf.name_scope("wait_for_gradient"):
         never = tf.logical_and(level_gate, tf.logical_not(level_gate))
         return seed + tf.cast(never, seed.dtype)
-
-
-def wait_for_gradient(tensor: tf.Tensor, gradient) -> tf.Tensor:
-    """`tensor` plus a zero computed from one element of numeric `gradient`."""
-    return wait_for_gate(tensor, gate([gradient]))

@@ -258,7 +258,8 @@ def _copy_in_chunks(loop, inputs, size):
 @contextlib.contextmanager
 def chunked_gradients(loops: Iterable[tf.Operation]) -> Iterator[None]:
     """Within, tf.gradients differentiates each of the rerunnable `loops` by
-    rerunning it in chunks, not by keeping every iteration.
+    rerunning it in chunks, not by keeping every iteration, one loop's
+    gradient after another (`loop_rerun.loop_gradients_in_turn`).
 
     For loops differentiated where they are (the tail after the last
     checkpoint, kept checkpoints). The attribute that selects our gradient
@@ -270,21 +271,24 @@ def chunked_gradients(loops: Iterable[tf.Operation]) -> Iterator[None]:
         logger.info("loop %s: %s", loop.name, what)
         if size is not None and "_gradient_op_type" not in loop.node_def.attr:
             marked.append(loop)
-    with compat.gradients_overridden(marked, LOOP_GRADIENT):
+    with compat.gradients_overridden(marked, LOOP_GRADIENT), loop_rerun.loop_gradients_in_turn():
         yield
 
 
 @tf.RegisterGradient(LOOP_GRADIENT)
 def _loop_gradient(loop, *grads):
-    """Differentiates the loop in chunks: from the states its forward pass
-    saved if it can, else from a chain of chunks rerun from its inputs."""
+    """Differentiates the loop in chunks, in turn with the other loops
+    (`loop_rerun.in_turn`): from the states its forward pass saved if it can,
+    else from a chain of chunks rerun from its inputs."""
     size, _ = chunking(loop)
     found = _recorded(loop, size)
     if found is not None:
         count = found.num_inputs
-        return loop_replay.replay_gradients(loop, found, loop.inputs[:count], grads[:count])
-    return loop_rerun.differentiate_rerun(
-        loop.graph, loop.inputs, grads, lambda inputs: _copy_in_chunks(loop, inputs, size))
+        return loop_rerun.in_turn(loop.graph, lambda after: loop_replay.replay_gradients(
+            loop, found, loop.inputs[:count], grads[:count], after))
+    return loop_rerun.in_turn(loop.graph, lambda after: loop_rerun.differentiate_rerun(
+        loop.graph, loop.inputs, grads, lambda inputs: _copy_in_chunks(loop, inputs, size),
+        after))
 
 
 @tf.RegisterGradient(CHUNK_GRADIENT)

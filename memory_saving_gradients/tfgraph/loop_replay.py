@@ -24,9 +24,10 @@ REPLAY_GRADIENT = "MemorySavingGradientsLoopReplay"
 
 
 def replay_gradients(loop: tf.Operation, found: loop_recording.Recording,
-                     inputs: Sequence[tf.Tensor], grads: Sequence) -> list:
+                     inputs: Sequence[tf.Tensor], grads: Sequence, after=()) -> list:
     """Gradients of `inputs` (what the loop read, or a copy's stand-ins for
-    them), given `grads` of the loop's outputs (as many as `inputs`)."""
+    them), given `grads` of the loop's outputs (as many as `inputs`); the
+    last chunk's rerun waits for the gradients `after` too."""
     grads = list(grads)
     for chunk in reversed(range(found.count)):
         start = chunk * found.size
@@ -35,7 +36,8 @@ def replay_gradients(loop: tf.Operation, found: loop_recording.Recording,
         grads = loop_rerun.differentiate_rerun(
             loop.graph, _chunk_inputs(loop, found, list(inputs), chunk, limits), grads,
             lambda chunk_inputs: loop_rerun.copy_while(
-                loop, chunk_inputs, one_at_a_time=True).outputs)
+                loop, chunk_inputs, one_at_a_time=True).outputs,
+            after if chunk == found.count - 1 else ())
         if not any(g is not None for g in grads):
             break  # the earlier chunks get none either
     return grads
@@ -73,4 +75,5 @@ def _replay_gradient(passed, *grads):
     found = loop_recording.recording(loop)
     count = found.num_inputs
     inputs = passed.inputs[count:]
-    return [None] * count + replay_gradients(loop, found, inputs, grads[:count])
+    return [None] * count + loop_rerun.in_turn(loop.graph, lambda after: replay_gradients(
+        loop, found, inputs, grads[:count], after))
