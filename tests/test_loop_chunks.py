@@ -428,3 +428,31 @@ def test_a_constant_gradient_carried_through_the_chunks(chunk_size, jit):
     # (loop_rerun._unfoldable).
     chunk_size(3)
     _ours_alone_vs_stock(_RunningSum(), [tf.constant(_normal((2, 7, 5)))], jit=jit)
+
+
+def test_a_second_order_through_replayed_chunks_is_refused(chunk_size):
+    # Differentiating the gradients of a loop replayed from its saved states
+    # again went through the forward loop's recording and came out 19% off;
+    # it raises instead. A chain of chunks rerun from the loop's inputs (no
+    # recording) gives tf.gradients' second order.
+    chunk_size(4)
+    rng = np.random.default_rng(0)
+    w = tf.Variable(rng.normal(size=(8, 8)).astype(np.float32) * 0.3)
+    x = tf.constant(rng.normal(size=(4, 8)).astype(np.float32))
+
+    def second_order(differentiate):
+        loss = tf.reduce_sum(tf.while_loop(lambda h: True, lambda h: tf.tanh(h @ w), [x],
+                                           maximum_iterations=16)[0] ** 2)
+        (g,) = differentiate(loss, [w])
+        return tf.gradients(tf.reduce_sum(g * g), [w])[0]
+
+    ours = tf.function(lambda: second_order(
+        lambda y, xs: msg.gradients(y, xs, checkpoints="memory")))
+    with pytest.raises(NotImplementedError, match="gradient of gradients reaches loop"):
+        ours()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(loop_chunks, "_recorded", lambda loop, size, obstacle=None: None)
+        chained = tf.function(lambda: second_order(
+            lambda y, xs: msg.gradients(y, xs, checkpoints="memory")))()
+    np.testing.assert_allclose(chained, tf.function(lambda: second_order(tf.gradients))(),
+                               rtol=1e-4, atol=1e-6)
