@@ -11,7 +11,8 @@ is, in chunks from the states its forward run saved (one run, ceil(T/k)
 states), or by the stock gradient (no run, T iterations of stacks).
 
 `settings` lists the `planning.LoopModes` a search tries, fewest bytes kept
-first; `adjusted` is the cut problem under one of them.
+first (`peak_settings`, the ones a least-peak search tries); `adjusted` is the
+cut problem under one of them.
 """
 
 from __future__ import annotations
@@ -54,6 +55,15 @@ def settings(model: GraphModel) -> list:
     chunked.sort(key=flops_per_byte, reverse=True)
     return [LoopModes(), LoopModes(kept)] + [
         LoopModes(kept, frozenset(chunked[:count])) for count in range(1, len(chunked) + 1)]
+
+
+def peak_settings(model: GraphModel) -> list:
+    """The loop modes a least-peak search tries: none kept, and every
+    rerunnable loop kept in chunks (the first two of `settings`). A loop's
+    stacks hold its T iterations where chunks hold ceil(T/k) states and k
+    iterations: giving loops their stacks rarely lowers a peak, and adds a
+    setting per loop to price (8 GRUs: 10 settings, planning twice as long)."""
+    return settings(model)[:2]
 
 
 def adjusted(problem: cuts.CutProblem, model: GraphModel, modes: LoopModes) -> cuts.CutProblem:

@@ -148,14 +148,14 @@ def memory(model: GraphModel, problem=None) -> Result:
 
 def least_peak(model: GraphModel, problem=None) -> Result:
     """Keeps the tensors alive across the cuts of least predicted peak (ties:
-    least recompute), each loop rerun by its level or kept, whichever the
-    timeline prices lower (`low_peak_candidates`); tf.gradients itself when
+    least recompute), each loop rerun by its level or kept in chunks, whichever
+    the timeline prices lower (`low_peak_candidates`); tf.gradients itself when
     none is predicted below it.
 
     `problem` is `cut_problem(model)`, built here when not given (callers that
     go on to `fitting_plan` pass theirs so it is built once).
     """
-    return _solved(model, "memory", None, problem, loop_plans.settings(model))
+    return _solved(model, "memory", None, problem, loop_plans.peak_settings(model))
 
 
 def fitting_plan(model: GraphModel, problem, max_bytes, name, peak=None) -> Optional[Result]:
@@ -277,10 +277,10 @@ def _solved(model, name, forbidden, problem=None, settings=(planning.LoopModes()
 
 
 def low_peak_candidates(model: GraphModel, problem=None) -> list:
-    """The cut model's few best plans under each way of differentiating the
-    model's loops (`loop_plans.settings`), priced by the timeline (`least_peak`
+    """The cut model's few best plans with the model's loops rerun, and kept in
+    chunks (`loop_plans.peak_settings`), priced by the timeline (`least_peak`
     picks one): a budget judges them by another peak than 'memory' does."""
-    return _candidates(model, "memory", None, problem, loop_plans.settings(model))
+    return _candidates(model, "memory", None, problem, loop_plans.peak_settings(model))
 
 
 def _candidates(model, name, forbidden, problem, settings):
