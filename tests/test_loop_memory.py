@@ -398,8 +398,8 @@ def test_independent_loops_kept_in_chunks_are_differentiated_one_after_the_other
     # their forward runs (half the recompute of rerunning them in the level,
     # and less memory). Each loop's gradient holds one chunk's stacks and its
     # outputs' gradients; with several inter-op threads TF ran both gradients
-    # at once: 16.2 MiB measured against 9.3 predicted (9.1 with one thread).
-    # In turn: 10.8 MiB.
+    # at once: 15.8 MiB measured against 9.3 predicted (9.1 with one thread).
+    # In turn: 10.2 MiB (loop_stacks benchmark).
     from memory_saving_gradients.tfgraph import gradient_waits
     step, plan, weights, x = _memory_step("bidirectional_GRU")
     assert len(plan.plan.loops.in_place) == 2 and not plan.plan.loops.stacked
