@@ -58,9 +58,8 @@ class LoopEvents:
                 # items its output lists hold too, counted as those outputs).
                 last = loop_chunking.last_chunk_trips(loop)
                 shared = sum(size for _, size in loop.stacked_items)
-                self._alloc(("last chunk", where, op),
-                            last * max(0, loop.iteration_bytes - shared))
-                self.pieces[("last chunk", where, op)] = last
+                self._alloc(_last_chunk(where, op), last * max(0, loop.iteration_bytes - shared))
+                self.pieces[_last_chunk(where, op)] = last
         elif not original:  # rerun whole: its stacks, and its lists written again
             kept = loop_chunking.stacked_bytes(loop) + loop_chunking.rewritten_bytes(loop)
             self._hold_list_items_once(where, loop, trips)
@@ -104,9 +103,10 @@ class LoopEvents:
             chain = op not in self.copied and not loop.states_saved_in_place
             stacks = loop_chunking.chunk_stack_bytes(loop)
             rerun_stacks = stacks  # the chunks rerun here; the last one's may be kept already
-            if ("last chunk", where, op) in self.born:  # the first chunk differentiated
-                self._use(("last chunk", where, op))
-                rerun_stacks -= self.born[("last chunk", where, op)][1]
+            last_chunk = _last_chunk(where, op)
+            if last_chunk in self.born:  # the first chunk differentiated
+                self._use(last_chunk)
+                rerun_stacks -= self.born[last_chunk][1]
             self._scratch(rerun_stacks + loop_chunking.rewritten_bytes(loop)
                           + loop_chunking.gradient_scratch_bytes(loop, chunk=True)
                           + (loop_chunking.boundary_bytes(loop) if chain else 0))
@@ -117,3 +117,8 @@ class LoopEvents:
         else:
             self._use(("loop", where, op))
             self._scratch(loop_chunking.gradient_scratch_bytes(loop, chunk=False))
+
+
+def _last_chunk(where, op):
+    """The key of the stacks a chain of chunks' last chunk keeps for its gradient."""
+    return ("last chunk", where, op)

@@ -287,6 +287,7 @@ def _candidates(model, name, forbidden, problem, settings):
     """The cut model's `CANDIDATE_PLANS` best plans (`solvers.low_peak_plans`)
     under each of the loop `settings`, priced."""
     problem = problem or cut_problem(model)
+    per_setting = f" under each of {len(settings)} loop settings" if len(settings) > 1 else ""
     priced = []
     for modes in settings:
         adjusted = loop_plans.adjusted(problem, model, modes)
@@ -294,7 +295,7 @@ def _candidates(model, name, forbidden, problem, settings):
             names = tensors_of(model, found.cost.kept_ops)
             note = (f"kept {len(names)} tensors alive across {len(found.cuts)} of "
                     f"{len(problem.cuts)} candidate cuts: the least predicted peak of the "
-                    f"cut model's {CANDIDATE_PLANS} best plans (cut model: "
+                    f"cut model's {CANDIDATE_PLANS} best plans{per_setting} (cut model: "
                     f"{found.cost.peak_bytes / 2**20:.1f} MiB)")
             priced.append(result_of(model, names, name, (note,), loops=modes))
     return priced

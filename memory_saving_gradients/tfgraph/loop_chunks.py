@@ -276,19 +276,20 @@ def chunked_gradients(loops: Iterable[tf.Operation]) -> Iterator[None]:
 
 
 @tf.RegisterGradient(LOOP_GRADIENT)
-def _loop_gradient(loop, *grads):
-    """Differentiates the loop in chunks, in turn with the other loops
-    (`loop_rerun.in_turn`): from the states its forward pass saved if it can,
-    else from a chain of chunks rerun from its inputs."""
+@loop_rerun.in_turn
+def _loop_gradient(loop, *grads, after):
+    """Differentiates the loop in chunks, in turn with the other loops: from
+    the states its forward pass saved if it can, else from a chain of chunks
+    rerun from its inputs."""
     size, _ = chunking(loop)
     found = _recorded(loop, size)
     if found is not None:
         count = found.num_inputs
-        return loop_rerun.in_turn(loop.graph, lambda after: loop_replay.replay_gradients(
-            loop, found, loop.inputs[:count], grads[:count], after))
-    return loop_rerun.in_turn(loop.graph, lambda after: loop_rerun.differentiate_rerun(
+        return loop_replay.replay_gradients(loop, found, loop.inputs[:count], grads[:count],
+                                            after)
+    return loop_rerun.differentiate_rerun(
         loop.graph, loop.inputs, grads, lambda inputs: _copy_in_chunks(loop, inputs, size),
-        after))
+        after)
 
 
 @tf.RegisterGradient(CHUNK_GRADIENT)

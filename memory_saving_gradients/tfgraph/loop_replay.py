@@ -70,10 +70,10 @@ def forward_outputs(loop: tf.Operation, found: loop_recording.Recording,
 
 
 @tf.RegisterGradient(REPLAY_GRADIENT)
-def _replay_gradient(passed, *grads):
+@loop_rerun.in_turn
+def _replay_gradient(passed, *grads, after):
     loop = passed._memory_saving_replayed  # pylint: disable=protected-access
     found = loop_recording.recording(loop)
     count = found.num_inputs
     inputs = passed.inputs[count:]
-    return [None] * count + loop_rerun.in_turn(loop.graph, lambda after: replay_gradients(
-        loop, found, inputs, grads[:count], after))
+    return [None] * count + replay_gradients(loop, found, inputs, grads[:count], after)

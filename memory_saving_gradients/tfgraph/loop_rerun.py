@@ -6,6 +6,7 @@ stock gradient once the gradient from after it has arrived.
 """
 
 import contextlib
+import functools
 import threading
 from typing import Iterator
 
@@ -56,7 +57,7 @@ def _open_turns() -> list:
 
 @contextlib.contextmanager
 def loop_gradients_in_turn() -> Iterator[None]:
-    """Within, the loop gradients built through `in_turn` run one after
+    """Within, the loop gradients decorated with `in_turn` run one after
     another, in the order they are built.
 
     Two independent loops (the directions of a Bidirectional RNN) differentiated
@@ -74,15 +75,20 @@ def loop_gradients_in_turn() -> Iterator[None]:
         _open_turns().pop()
 
 
-def in_turn(graph, differentiate):
-    """`differentiate(after)`: a loop's gradients, built to wait for `after`,
-    what the last loop gradient made in `graph` returned (nothing outside
-    `loop_gradients_in_turn`)."""
-    made = _open_turns()[-1] if _open_turns() else None
-    grads = differentiate(made.get(graph, ()) if made is not None else ())
-    if made is not None and any(g is not None for g in grads):
-        made[graph] = [g for g in grads if g is not None]
-    return grads
+def in_turn(gradient):
+    """Decorates a registered loop gradient `gradient(op, *grads, after)` so
+    that it is built to wait for `after`, what the last loop gradient made in
+    the op's graph returned (nothing outside `loop_gradients_in_turn`)."""
+    @functools.wraps(gradient)
+    def taking_turns(op, *grads):
+        turns = _open_turns()
+        made = turns[-1] if turns else {}
+        results = gradient(op, *grads, after=made.get(op.graph, ()))
+        arrived = [g for g in results if g is not None]
+        if turns and arrived:
+            made[op.graph] = arrived
+        return results
+    return taking_turns
 
 
 def _unfoldable(grads, state):
