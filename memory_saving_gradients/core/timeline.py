@@ -33,6 +33,7 @@ from typing import Optional
 import numpy as np
 
 from memory_saving_gradients.core import allocator
+from memory_saving_gradients.core import loop_chunking
 from memory_saving_gradients.core import op_table
 from memory_saving_gradients.core import stock_order
 from memory_saving_gradients.core.loop_events import LoopEvents
@@ -316,23 +317,44 @@ class _Replay(LoopEvents):
         def source(t):
             return where + (t,) if t in local else ("fwd", t)
 
-        for op in running:
+        def rerun(op):
             self._forward(op, source, where)
             if op not in model.loops or not self._reuses_forward(op):
                 self.recompute_flops += self.rows[op].cost
+
+        later = self._reruns_in_turn(running)
+        for op in running:
+            if op not in later:
+                rerun(op)
         self.largest_level_bytes = max(self.largest_level_bytes, model.bytes_of(local))
-        self._backward(level.copy_ops, {op: source for op in level.copy_ops}, leaves_ordered=True)
+        self._backward(level.copy_ops, {op: source for op in level.copy_ops}, leaves_ordered=True,
+                       rerun_first={op: rerun for op in later})
         # Roots that cannot be recomputed are differentiated after the copies.
         roots = [model.op_of(c) for c in level.checkpoints if model.op_of(c) in kept_roots]
         self._backward(list(dict.fromkeys(roots)), {})
 
-    def _backward(self, ops, sources, leaves_ordered=False):
+    def _reruns_in_turn(self, running):
+        """The loops among a level's `running` copies that rerun only once the
+        chain differentiated before theirs is done (tfgraph/loop_rerun.py,
+        `start_reruns_in_turn`): chains of two chunks or more that no other
+        copy reads, but the first differentiated (the last in `running`)."""
+        loops, rows = self.model.loops, self.rows
+        read = {t for op in running for t in rows[op].inputs}
+        chains = [op for op in running if op in loops and self._chunked(op, loops[op])
+                  and not loops[op].states_saved_when_recomputed
+                  and loop_chunking.trips(loops[op]) > loops[op].chunk_size
+                  and read.isdisjoint(rows[op].outputs)]
+        return frozenset(chains[:-1])
+
+    def _backward(self, ops, sources, leaves_ordered=False, rerun_first=None):
         """Runs the gradients of `ops` (topological order) in reverse order.
 
         `leaves_ordered`: a level's gradients, whose leaf gradients (a filter
         gradient's chain among them) run before backprop leaves their block
         (tfgraph/leaf_order.py), so nothing trails beside the gradients below.
+        `rerun_first`: op -> a call recomputing it, made just before its gradient.
         """
+        rerun_first = rerun_first or {}
         model = self.model
         # Looked up once per call: this loop runs for every op of every replay.
         rows, pending, born, last_use = self.rows, self.pending, self.born, self.last_use
@@ -341,6 +363,8 @@ class _Replay(LoopEvents):
         small_grads = model.small_grads if self.planned else {}
         trailing = ((), 0)  # keys read and scratch of a gradient part still running
         for op in reversed(ops):
+            if op in rerun_first:
+                rerun_first[op](op)
             self.step += 1
             row = rows[op]
             source = sources.get(op)

@@ -226,12 +226,14 @@ def copy_loop(loop: tf.Operation, inputs: Sequence[tf.Tensor]) -> List[tf.Tensor
         return list(loop_rerun.copy_while(loop, inputs).outputs)
     found = _recorded(loop, size, _forward_outputs_too_big)
     if found is None:
-        return _copy_in_chunks(loop, inputs, size)
+        return _copy_in_chunks(loop, inputs, size, in_turn=True)
     return loop_replay.forward_outputs(loop, found, inputs)
 
 
-def _copy_in_chunks(loop, inputs, size):
+def _copy_in_chunks(loop, inputs, size, in_turn=False):
     """Chains ceil(bound / size) chunk loops; returns outputs like `loop`'s.
+    `in_turn` (a level's rerun): it reruns in turn with the level's other
+    chains (`loop_rerun.rerun_in_turn`).
 
     Each chunk reads all of the previous chunk's outputs, captures (weights)
     included: their gradients then add up along the chain, as within one
@@ -249,6 +251,8 @@ def _copy_in_chunks(loop, inputs, size):
         for before, after in zip(state, chunk.outputs):
             if before.dtype in (tf.resource, tf.variant):
                 compat.copy_handle_data(before, after)
+        if in_turn and start == 0 and not last:  # one chunk: the stock gradient, nothing to mark
+            loop_rerun.rerun_in_turn(chunk)
         state = list(chunk.outputs)
         counters.append(state[_COUNTER])
     # What the original loop outputs: iterations run, its bound, its state.
@@ -295,9 +299,11 @@ def _loop_gradient(loop, *grads, after):
 @tf.RegisterGradient(CHUNK_GRADIENT)
 def _chunk_gradient(chunk, *grads):
     """Reruns one chunk from its saved input state and differentiates that."""
-    return loop_rerun.differentiate_rerun(
+    grads = loop_rerun.differentiate_rerun(
         chunk.graph, chunk.inputs, grads,
         lambda inputs: loop_rerun.copy_while(chunk, inputs, one_at_a_time=True).outputs)
+    loop_rerun.chain_differentiated(chunk, grads)
+    return grads
 
 
 def _recorded(loop, size, obstacle=lambda loop, size: None):

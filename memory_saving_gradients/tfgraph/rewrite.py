@@ -269,6 +269,7 @@ class _Backprop:
         made = [(n, g) for n, g in zip(names or [t.name for t in sources], grads) if g is not None]
         if self._reading.gated:
             self._order(new_ops, seeds, made, recomputed, first_call=bool(held))
+        loop_rerun.start_reruns_in_turn(self._graph)
         # Function calls among the stops that tf.gradients differentiated all
         # the same (their gradient ops record them as their forward op).
         through = calls & {compat.forward_op_of_gradient(op) for op in new_ops} if calls else set()
