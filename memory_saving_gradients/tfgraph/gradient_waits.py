@@ -56,17 +56,23 @@ def runs_after(op: tf.Operation) -> list:
 
 
 def depends_on(later: tf.Operation, first: tf.Operation) -> bool:
-    """True when a data or control path runs from `first` to `later`.
+    """True when a data or control path runs from `first` to `later` (`reaches`)."""
+    return reaches(first, {later})
+
+
+def reaches(first: tf.Operation, targets) -> bool:
+    """True when a data or control path runs from `first` to an op of `targets`.
 
     A walk forward from `first` over every consumer and control output (the
-    whole graph, so a path through any op counts): for an op of the
-    tf.gradients call in progress that is at most the rest of that call,
-    where a walk back from `later` read the whole forward graph once per
-    pair asked, quadratic in depth."""
+    whole graph, so a path through any op counts, edges added by
+    `compat.replace_input` too): for an op of the tf.gradients call in
+    progress that is at most the rest of that call, where a walk back from
+    `targets` read the whole forward graph once per pair asked, quadratic in
+    depth."""
     seen, todo = set(), [first]
     while todo:
         op = todo.pop()
-        if op is later:
+        if op in targets:
             return True
         if op not in seen:
             seen.add(op)

@@ -133,10 +133,11 @@ def start_reruns_in_turn(graph) -> None:
         return
     chains = [(first, grads) for first, grads in turns[-1].chains if first.graph is graph]
     turns[-1].chains = [chain for chain in turns[-1].chains if chain[0].graph is not graph]
-    ops = graph.get_operations()
     for (_, before), (rerun, _) in zip(chains, chains[1:]):
         tied = _first_float(rerun.inputs)
-        if tied is None or rerun in gradient_waits.ancestors_among(ops[ops.index(rerun):], before):
+        # Walked forward over the whole graph: the waits added here run from
+        # newer ops to older ones.
+        if tied is None or gradient_waits.reaches(rerun, {g.op for g in before}):
             continue
         gate = gradient_waits.gate(before)
         if gate is not None:
