@@ -182,8 +182,11 @@ def _plan(ys, xs, checkpoints):
     mode = strategies.validate(checkpoints)
     names = () if mode == "custom" else _explicit_names(read, ys, xs, mode, checkpoints)
     result = strategies.select(model, mode, names, checkpoints)
-    plan = result.plan
     graph = ys[0].graph
+    ours = rewrite.loops_made_before(graph, read.region)
+    if ours and not result.plan.stock:
+        result = _stock_through_our_loops(model, result.strategy, ours)
+    plan = result.plan
     kept = set(plan.chosen)
     return CheckpointPlan(
         mode=result.strategy,
@@ -200,6 +203,19 @@ def _plan(ys, xs, checkpoints):
         reading=read,
         feasible=result.feasible,
         result=result)
+
+
+def _stock_through_our_loops(model, strategy, ours):
+    """tf.gradients itself for a call whose ys depend on loops an earlier call
+    of ours made (a second order through recomputed or chunked loops): a plan
+    recomputing them failed ("nodes in a cycle") or, with the loops rerun in
+    chunks, gave wrong second orders."""
+    note = (f"the ys depend on gradients of an earlier memory_saving_gradients call "
+            f"through the loops it made ({ours[0]}, {len(ours)} tensors): recomputing "
+            f"those is not supported, so this call differentiates as tf.gradients does "
+            f"(nothing recomputed, no memory saved)")
+    logger.warning("memory_saving_gradients: %s", note)
+    return strategies.stock(model, strategy, (note,))
 
 
 def _explicit_names(read, ys, xs, mode, checkpoints):

@@ -22,6 +22,9 @@ near-linear in graph size.
 
 from __future__ import annotations
 
+import threading
+import weakref
+
 import tensorflow as tf
 
 from memory_saving_gradients.core.planning import Level
@@ -39,6 +42,7 @@ from memory_saving_gradients.tfgraph import conv_gradients
 from memory_saving_gradients.tfgraph import grouped_conv_calls
 from memory_saving_gradients.tfgraph import loop_chunks
 from memory_saving_gradients.tfgraph import loop_rerun
+from memory_saving_gradients.tfgraph import loops
 from memory_saving_gradients.tfgraph import max_pool_grad_grad
 from memory_saving_gradients.tfgraph import pool_gradients
 from memory_saving_gradients.tfgraph import side_inputs
@@ -53,8 +57,30 @@ def backprop(reading: Reading, plan: Plan, ys, xs, grad_ys, stop_gradients, tf_k
     # Second orders through max pools without the CPU MaxPoolGradGrad kernel,
     # which can return zeros (max_pool_grad_grad.py): in every call, stock
     # included, among the ops between xs and ys (the ones tf.gradients differentiates).
+    graph = ys[0].graph
+    first_new_op = len(graph.get_operations())
     with max_pool_grad_grad.argmax_gradients(reading.ops):
-        return _backprop(reading, plan, ys, xs, grad_ys, stop_gradients, tf_kwargs, unconnected)
+        found = _backprop(reading, plan, ys, xs, grad_ys, stop_gradients, tf_kwargs, unconnected)
+    made = [op.name for op in graph.get_operations()[first_new_op:]
+            if op.type in loops.LOOP_OP_TYPES]
+    with _made_lock:
+        _loops_made.setdefault(graph, set()).update(made)
+    return found
+
+
+# Per graph: the names of the loops our backprop made (reruns, chunks, their
+# gradients), for `loops_made_before`. Replicas of a tf.distribute strategy
+# trace in threads.
+_loops_made: "weakref.WeakKeyDictionary[tf.Graph, set]" = weakref.WeakKeyDictionary()
+_made_lock = threading.Lock()
+
+
+def loops_made_before(graph, region) -> list:
+    """The tensors of `region` (names) that loops an earlier call of ours
+    made in `graph` output: the ys of this call depend on our gradients."""
+    with _made_lock:
+        made = _loops_made.get(graph, set())
+    return sorted(n for n in region if n.rsplit(":", 1)[0] in made)
 
 
 def _backprop(reading, plan, ys, xs, grad_ys, stop_gradients, tf_kwargs, unconnected) -> list:
