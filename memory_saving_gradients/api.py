@@ -183,7 +183,7 @@ def _plan(ys, xs, checkpoints):
     names = () if mode == "custom" else _explicit_names(read, ys, xs, mode, checkpoints)
     result = strategies.select(model, mode, names, checkpoints)
     graph = ys[0].graph
-    ours = rewrite.loops_made_before(graph, read.region)
+    ours = rewrite.loops_made_before(ys, read.region)
     if ours and not result.plan.stock:
         result = _stock_through_our_loops(model, result.strategy, ours)
     plan = result.plan

@@ -75,12 +75,26 @@ _loops_made: "weakref.WeakKeyDictionary[tf.Graph, set]" = weakref.WeakKeyDiction
 _made_lock = threading.Lock()
 
 
-def loops_made_before(graph, region) -> list:
+def loops_made_before(ys, region) -> list:
     """The tensors of `region` (names) that loops an earlier call of ours
-    made in `graph` output: the ys of this call depend on our gradients."""
+    made output, and the gradient of `ys` reaches (a walk back from them that
+    does not pass ops without a gradient, such as StopGradient): this call
+    would differentiate our gradients."""
+    graph = ys[0].graph
     with _made_lock:
         made = _loops_made.get(graph, set())
-    return sorted(n for n in region if n.rsplit(":", 1)[0] in made)
+    if not made:
+        return []
+    found, seen, todo = [], set(), [y.op for y in ys]
+    while todo:
+        op = todo.pop()
+        if op in seen or not _differentiable(op.outputs[0]):
+            continue
+        seen.add(op)
+        inputs = [t for t in op.inputs if t.name in region]
+        found += [t.name for t in inputs if t.op.name in made]
+        todo += [t.op for t in inputs]
+    return sorted(set(found))
 
 
 def _backprop(reading, plan, ys, xs, grad_ys, stop_gradients, tf_kwargs, unconnected) -> list:
