@@ -412,8 +412,8 @@ def test_chains_of_chunks_one_level_reruns_take_turns():
     # ran at the level's start and their chunks were differentiated
     # alternately: measured 12.6 MiB here. Now the second chain reruns once
     # the first one's gradient is done: 9.0-9.1 MiB, 9.9 predicted (a
-    # Bidirectional LSTM in the loop_stacks benchmark: 12.3-12.4 MiB with
-    # default threading, 7.6-7.8 with one inter-op thread; now 8.6-8.7 and 7.7).
+    # Bidirectional LSTM in the loop_stacks benchmark: 12.2-12.4 MiB with
+    # default threading, 7.6-8.9 with one inter-op thread; now 9.2-9.3 and 8.6-8.9).
     from benchmarks import loop_stacks
     from memory_saving_gradients.tfgraph import gradient_waits
     loss_of, weights, x = loop_stacks.case("bidirectional_GRU")

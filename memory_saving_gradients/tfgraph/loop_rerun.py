@@ -123,8 +123,8 @@ def start_reruns_in_turn(graph) -> None:
 
     tf.gradients differentiates two independent chains' chunks alternately, and
     both ran at the level's start (a Bidirectional LSTM, 64 steps: 12.3-12.4
-    MiB with default threading, 7.6-7.8 with one inter-op thread; in turn
-    8.6-8.7 and 7.7). Called once the gradients are built: a wait added while
+    MiB with default threading, 7.6-8.9 with one inter-op thread; in turn
+    9.2-9.3 and 8.6-8.9). Called once the gradients are built: a wait added while
     they are would make the ops computing them look like forward ops to the
     rewrite (they would feed an op made before the tf.gradients call).
     """

@@ -54,11 +54,11 @@ from memory_saving_gradients.tfgraph.reading import Reading
 def backprop(reading: Reading, plan: Plan, ys, xs, grad_ys, stop_gradients, tf_kwargs,
              unconnected) -> list:
     """Gradients of `ys` with respect to `xs` under `plan`. Returns a list."""
+    graph = ys[0].graph
+    first_new_op = len(graph.get_operations())
     # Second orders through max pools without the CPU MaxPoolGradGrad kernel,
     # which can return zeros (max_pool_grad_grad.py): in every call, stock
     # included, among the ops between xs and ys (the ones tf.gradients differentiates).
-    graph = ys[0].graph
-    first_new_op = len(graph.get_operations())
     with max_pool_grad_grad.argmax_gradients(reading.ops):
         found = _backprop(reading, plan, ys, xs, grad_ys, stop_gradients, tf_kwargs, unconnected)
     made = [op.name for op in graph.get_operations()[first_new_op:]
