@@ -80,6 +80,37 @@ def test_nonlinear_custom_gradient_feeding_several_segments(runtime):
 
 
 @pytest.mark.parametrize("runtime", ["session", "function"])
+def test_second_order_through_a_nonlinear_custom_gradient(runtime):
+    """A second order through our gradients differentiates a recomputed copy
+    beside its original; a clipping custom gradient copied would see its
+    parts apart, clip(a) + clip(b), so it is kept and sees clip(a + b)."""
+    @tf.custom_gradient
+    def clip_gradient(h):
+        return tf.identity(h), lambda dy: tf.clip_by_value(dy, -0.3, 0.3)
+
+    def build(ctx, x):
+        w = ctx.variable("w", _normal((6, 6), 0.5, seed=1))
+        clipped = clip_gradient(tf.tanh(tf.matmul(x, w)) * 2.0)
+        kept = tf.tanh(tf.matmul(tf.sin(clipped), w))
+        y = tf.reduce_sum(tf.tanh(tf.matmul(kept, w)) * kept)
+        results = {}
+        for name, checkpoints in [("stock", None), ("kept", [kept]), ("none", []),
+                                  ("memory", "memory")]:
+            grads = (stock_gradients(y, [x, w]) if checkpoints is None
+                     else msg.gradients(y, [x, w], checkpoints=checkpoints))
+            penalty = tf.add_n([tf.reduce_sum(g ** 2) for g in grads])
+            results[name] = stock_gradients(penalty, [x, w])
+        return Model(ys=[y], xs=[x], fetch={f"{name}{i}": g for name, grads in results.items()
+                                           for i, g in enumerate(grads)})
+
+    outcome = gradients_vs_stock(runtime, build, {"x": _normal((3, 6))}, modes=())
+    for name in ("kept", "none", "memory"):
+        for i in range(2):
+            np.testing.assert_allclose(outcome.forward[f"{name}{i}"], outcome.forward[f"stock{i}"],
+                                       rtol=1e-5, atol=1e-6, err_msg=f"{name}: d penalty / d xs[{i}]")
+
+
+@pytest.mark.parametrize("runtime", ["session", "function"])
 def test_second_order_with_respect_to_an_intermediate_x(runtime):
     """With xs=[h, x] and checkpoints=[], h's own op is not recomputed: the
     gradient for x must read h itself, so a penalty on it has tf.gradients'

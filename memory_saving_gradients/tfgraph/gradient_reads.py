@@ -22,6 +22,7 @@ import tensorflow as tf
 from memory_saving_gradients.core import timeline
 from memory_saving_gradients.tfgraph import compat
 from memory_saving_gradients.tfgraph import early_gradients
+from memory_saving_gradients.tfgraph import gradient_linearity
 from memory_saving_gradients.tfgraph import gradient_waits
 from memory_saving_gradients.tfgraph import loops
 from memory_saving_gradients.tfgraph import op_kinds
@@ -58,7 +59,9 @@ class Reads:
     with the gradient, as an intermediate is written over it
     (`_scratch_forwards`). Both as the rewrite orders the gradient's ops
     (`product_order`); `stock_forwards` and `stock_scratch_forwards` as
-    stock tf.gradients leaves them, where that differs (else None)."""
+    stock tf.gradients leaves them, where that differs (else None).
+    `linear`: whether the gradient is linear in the incoming gradients
+    (`gradient_linearity`; registered gradients are)."""
     inputs: tuple
     outputs: tuple
     scratch_bytes: int = 0
@@ -70,6 +73,7 @@ class Reads:
     scratch_forwards: tuple = ()
     stock_forwards: tuple = None
     stock_scratch_forwards: tuple = None
+    linear: bool = True
 
 
 def gradient_reads(op: tf.Operation, wanted: tuple = None, folds: bool = None) -> Reads:
@@ -139,11 +143,21 @@ def _reads(op, wanted, folds):
     if grad_fn is None:
         return Reads((), ())
     try:
-        return _probe(op, grad_fn, wanted, folds)
+        reads = _probe(op, grad_fn, wanted, folds)
     except Exception as error:  # pylint: disable=broad-except  # any failure: assume the worst
         logger.debug("gradient of %s (%s) not probed, taken to read everything: %s",
                      op.name, op.type, error)
-        return everything
+        reads = dataclasses.replace(everything, linear=not _overridden(op))
+    if reads.linear and gradient_linearity.calls_nonlinear_gradients(
+            op, lambda inner: gradient_reads(inner).linear):
+        # A function call's gradient differentiates its body, overrides included.
+        reads = dataclasses.replace(reads, linear=False)
+    return reads
+
+
+def _overridden(op):
+    """Whether `op`'s gradient is an override, not its type's registered one."""
+    return loops.CUSTOM_GRADIENT_ATTR in op.node_def.attr
 
 
 def _probe(op, grad_fn, wanted, folds):
@@ -151,7 +165,7 @@ def _probe(op, grad_fn, wanted, folds):
     the gradient ops that lead to the `wanted` inputs' gradients."""
     # A tf.custom_gradient's gradient ignores the op and reads the forward
     # tensors its closure holds: built where it may capture them, it shows them.
-    custom = "_gradient_op_type" in op.node_def.attr
+    custom = _overridden(op)
     scratch = compat.capturing_graph(op.graph, "gradient_probe") if custom else tf.Graph()
     with scratch.as_default():
         inputs = [_stand_in(t, f"input{i}", value)
@@ -198,6 +212,7 @@ def _probe(op, grad_fn, wanted, folds):
         ordered = (forwarding() if product_order.sums_first(
             new_ops, [r for r in results if r is not None]) else stock)
         stock_if_other = (None, None) if stock == ordered else stock
+        linear = not custom or gradient_linearity.is_linear(new_ops, seeds, results)
     captured = [outer for outer, inner in pairs if id(inner) in read]
     return Reads(tuple(i for i, t in enumerate(inputs) if id(t) in read
                        or any(c is op.inputs[i] for c in captured)),
@@ -206,7 +221,7 @@ def _probe(op, grad_fn, wanted, folds):
                  scratch_bytes,
                  tuple(c.name for c in captured
                        if not any(c is t for t in list(op.inputs) + list(op.outputs))),
-                 ungraded, early, passed, *ordered, *stock_if_other)
+                 ungraded, early, passed, *ordered, *stock_if_other, linear)
 
 
 def _seed_of(result, seeds):

@@ -202,7 +202,7 @@ def build_model(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor]) -> Reading:
         if activations.isdisjoint(outs):
             other_bytes += sum(op_kinds.tensor_bytes(o) for o in outs.values())
             continue
-        _record_backprop(op, inputs[op], activations, regions, (folds, gated), backprop)
+        linear = _record_backprop(op, inputs[op], activations, regions, (folds, gated), backprop)
         backprop["run_workspace"][name] = workspace.run_workspace_bytes(op)
         if (gated and backprop["weight_grad_bytes"][name] and op.inputs[0].name in activations
                 and gradient_order.weight_gradient_first(op)):
@@ -211,8 +211,11 @@ def build_model(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor]) -> Reading:
             backprop["recompute_workspace"][name] = transposed_copies.copy_workspace_bytes(op)
         # An x's own op is differentiated as it is: the gradients below it
         # must read the x itself, or a gradient of them (second order) would
-        # miss their dependence on that x.
-        recomputable = (op_kinds.is_recomputable(op, rerunnable) and x_names.isdisjoint(outs))
+        # miss their dependence on that x. An op whose gradient is not linear
+        # in the incoming one is too: a second order through ours meets its
+        # original and its copy, and would give f(a) + f(b) for f(a + b).
+        recomputable = (op_kinds.is_recomputable(op, rerunnable) and x_names.isdisjoint(outs)
+                        and linear)
         cost = (loop_memory.loop_cost(op) if op.type in loops.LOOP_OP_TYPES
                 else op_kinds.op_cost(op))
         op_outputs[name] = tuple(n for n in outs if n in activations)
@@ -337,12 +340,14 @@ def _record_backprop(op, op_inputs, activations, regions, settings, backprop):
     gradients are weight gradients; names of the region's tensors and the xs,
     what backprop takes gradients of: other inputs' gradient branches are pruned).
     `settings`: whether Grappler folds the graph's constants
-    (`compat.folds_constants`), and `Reading.gated`.
+    (`compat.folds_constants`), and `Reading.gated`. Returns whether the
+    gradient is linear in the incoming gradients (`gradient_linearity`).
     """
     weights, differentiated = regions
     folds, gated = settings
     name = op.name
     inputs_differentiated = [t.name in differentiated for t in op.inputs]
+    linear = True
     if op.type in ("Exit", "RefExit"):
         read = [t.name for t in op_inputs]  # a v1 loop: assume it reads all it took in
         scratch = 0
@@ -360,6 +365,7 @@ def _record_backprop(op, op_inputs, activations, regions, settings, backprop):
         if passed:
             backprop["passed_grads"][name] = passed
         _record_forwarding(op, reads, activations, backprop, gated)
+        linear = reads.linear
     backprop["grad_reads"][name] = tuple(n for n in read if n in activations)
     if broadcast_sinking.keeps_small(
             op, lambda reader: any(o.name in differentiated for o in reader.outputs)):
@@ -384,3 +390,4 @@ def _record_backprop(op, op_inputs, activations, regions, settings, backprop):
     backprop["workspace"][name] = scratch + measured
     backprop["weight_grad_bytes"][name] = sum(
         op_kinds.tensor_bytes(t) for t in op_inputs if t.name in weights and t.dtype.is_floating)
+    return linear
