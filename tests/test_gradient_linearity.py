@@ -22,6 +22,19 @@ def _sign_of_gradient(op, dy):
     return tf.sign(dy)
 
 
+_FILTER = tf.Variable(tf.ones([1, 1, 4, 4]) * 0.1)  # made eagerly: its handle is an eager capture
+
+
+def _conv_batch_norm(h):
+    image = tf.nn.conv2d(tf.reshape(h, [1, 3, 4, 1]) * tf.ones([1, 1, 1, 4]), _FILTER, 1, "SAME")
+    normed, _, _ = tf.compat.v1.nn.fused_batch_norm(image, tf.ones([4]), tf.zeros([4]))
+    return tf.reshape(tf.reduce_mean(tf.nn.relu(normed), axis=3), [3, 4])
+
+
+def _unused_second_output(h):
+    return tf.recompute_grad(lambda t: (tf.tanh(t), tf.transpose(tf.sin(t))))(h)[0]
+
+
 # name -> (function of a [3, 4] float32 tensor, whether its override is linear)
 CASES = {
     "silu": (tf.nn.silu, True),
@@ -29,7 +42,15 @@ CASES = {
     "straight_through": (_custom(lambda h, dy: tf.where(tf.abs(h) < 1.0, dy, tf.zeros_like(dy)),
                                  tf.round), True),
     "recompute_grad": (tf.recompute_grad(lambda h: tf.tanh(tf.matmul(h, tf.ones([4, 4])))), True),
+    "recompute_grad_conv_batch_norm": (tf.recompute_grad(_conv_batch_norm), True),
+    "recompute_grad_unused_output": (_unused_second_output, True),
+    "doubled_in_float64": (_custom(lambda h, dy: tf.cast(tf.cast(dy, tf.float64) * 2.0,
+                                                         tf.float32)), False),  # rounds back
     "clip": (_custom(lambda h, dy: tf.clip_by_value(dy, -0.2, 0.2)), False),
+    "bfloat16_compressed": (_custom(lambda h, dy: tf.cast(tf.cast(dy, tf.bfloat16), dy.dtype)),
+                            False),
+    "bias_through_identity_n": (_custom(lambda h, dy: tf.add_n(
+        tf.identity_n([dy, 0.1 * tf.sign(h)]))), False),
     "normalized": (_custom(lambda h, dy: dy / tf.norm(dy)), False),
     "constant": (_custom(lambda h, dy: tf.ones_like(h)), False),
     "affine": (_custom(lambda h, dy: dy + 1.0), False),
@@ -47,13 +68,9 @@ def _override_map(h):
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_overrides_linear_in_the_incoming_gradient_are_told_apart(name):
     function, linear = CASES[name]
-    graph = tf.Graph()
-    with graph.as_default():
-        x = tf.compat.v1.placeholder(tf.float32, [3, 4])
-        before = set(graph.get_operations())
-        tf.sin(function(x))
-        overridden = [op for op in graph.get_operations()
-                      if op not in before and "_gradient_op_type" in op.node_def.attr]
+    graph = tf.function(lambda x: tf.sin(function(x))).get_concrete_function(
+        tf.TensorSpec([3, 4])).graph
+    overridden = [op for op in graph.get_operations() if "_gradient_op_type" in op.node_def.attr]
     assert overridden
     assert [gradient_reads.gradient_reads(op).linear for op in overridden] == [linear] * len(
         overridden)
@@ -99,3 +116,51 @@ def test_only_ops_with_a_nonlinear_gradient_are_kept_from_recomputation(name):
     overridden = [t for t in model.tensors.values() if t.op_type == "IdentityN"]
     assert overridden
     assert all(t.recomputable == CASES[name][1] for t in overridden)
+
+
+@tf.custom_gradient
+def _scale_by(h, v):
+    def gradient(dy):  # linear in dy for h, clipped for v
+        return dy * v, tf.clip_by_value(tf.reduce_sum(dy * h, 0), -0.05, 0.05)
+    return h * v, gradient
+
+
+def test_linearity_covers_inputs_the_first_order_does_not_differentiate():
+    """A second order may differentiate v, which a first order with respect to
+    h alone prunes from the gradient's ops."""
+    graph = tf.Graph()
+    with graph.as_default():
+        h = tf.compat.v1.placeholder(tf.float32, [3, 4])
+        v = tf.compat.v1.placeholder(tf.float32, [4])
+        op = tf.sin(_scale_by(h, v)).op.inputs[0].op
+    assert op.type == "IdentityN"
+    wanted = [t is h for t in op.inputs]
+    assert not gradient_reads.gradient_reads(op, wanted).linear
+
+
+def test_the_layer_decorators_own_gradient_counts_as_linear():
+    """Its gradient calls our gradients on the layer's graph, which no probe can
+    build elsewhere: it is declared linear, so its layers stay recomputable."""
+    import keras
+    from memory_saving_gradients.keras import recompute_grad
+
+    class Decorated(keras.layers.Layer):
+        def build(self, shape):
+            self.dense = keras.layers.Dense(4, activation="tanh")
+
+        @recompute_grad
+        def call(self, inputs):
+            return self.dense(inputs) * 2.0
+
+    layer = Decorated()
+
+    @tf.function
+    def step(x):
+        return tf.sin(layer(x))
+
+    import memory_saving_gradients as msg
+    with msg.checkpointing():
+        graph = step.get_concrete_function(tf.TensorSpec([3, 4])).graph
+    overridden = [op for op in graph.get_operations() if "_gradient_op_type" in op.node_def.attr]
+    assert overridden
+    assert all(gradient_reads.gradient_reads(op).linear for op in overridden)

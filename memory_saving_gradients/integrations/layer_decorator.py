@@ -33,7 +33,8 @@ import tensorflow as tf
 
 from memory_saving_gradients import api
 from memory_saving_gradients.integrations import patching
-from memory_saving_gradients.tfgraph import captures, compat, gradient_waits, graph_walks
+from memory_saving_gradients.tfgraph import captures, compat, gradient_linearity, gradient_waits
+from memory_saving_gradients.tfgraph import graph_walks
 from memory_saving_gradients.tfgraph import ledger
 
 logger = logging.getLogger("memory_saving_gradients")
@@ -210,7 +211,11 @@ def _call_as_segment(call: Callable, layer: keras.layers.Layer, args: tuple,
 
         return outputs, gradient
 
-    return segment(*[leaves[i] for i in slots])
+    results = segment(*[leaves[i] for i in slots])
+    # Its gradient is our rewrite's, a sum of vector-Jacobian products: linear,
+    # so the segment may be recomputed (the probe cannot build it off its graph).
+    gradient_linearity.declare_linear(tf.nest.flatten(results))
+    return results
 
 
 def _recomputed_gradients(graph, outputs, body_ops: list, inputs: tuple, variables: list,

@@ -41,6 +41,7 @@ from typing import Iterable, Iterator
 import tensorflow as tf
 
 from memory_saving_gradients.tfgraph import compat
+from memory_saving_gradients.tfgraph import gradient_linearity
 from memory_saving_gradients.tfgraph import op_kinds
 
 SCRATCH_FREE_GRADIENT = "MemorySavingGradientsScratchFreeConv"
@@ -138,7 +139,9 @@ def scratch_free_transposed_copy(op: tf.Operation, inputs) -> tf.Tensor:
         return _input_gradient(axes, w, out_backprop), gradient
 
     with tf.control_dependencies([input_sizes]):
-        return transposed(out_backprop, w)
+        result = transposed(out_backprop, w)
+    gradient_linearity.declare_linear([result])  # a convolution's: linear in `grad`
+    return result
 
 
 def taps_apart(op: tf.Operation) -> bool:

@@ -30,9 +30,9 @@ _LINEAR_IN_FIRST = frozenset({
     "Identity", "Snapshot", "StopGradient", "PreventGradient", "EnsureShape", "CheckNumerics",
     "Neg", "Conj", "Real", "Imag", "Cast", "Reshape", "ExpandDims", "Squeeze", "Transpose",
     "ConjugateTranspose", "Sum", "Mean", "Tile", "BroadcastTo", "Slice", "StridedSlice", "Pad",
-    "MirrorPad", "ReverseV2", "Gather", "GatherV2", "GatherNd", "UnsortedSegmentSum",
-    "SegmentSum", "Cumsum", "Unpack", "SplitV", "DepthToSpace", "SpaceToDepth",
-    "SpaceToBatchND", "BatchToSpaceND", "BiasAddGrad", "IdentityN"})
+    "MirrorPad", "MirrorPadGrad", "ReverseV2", "Gather", "GatherV2", "GatherNd",
+    "UnsortedSegmentSum", "SegmentSum", "Cumsum", "Unpack", "SplitV", "DepthToSpace",
+    "SpaceToDepth", "SpaceToBatchND", "BatchToSpaceND", "BiasAddGrad"})
 # Linear in one given input alone.
 _LINEAR_IN = {"Split": 1, "ScatterNd": 1, "StridedSliceGrad": 4}
 # Sums: linear when every data input is on a gradient's path (or zero).
@@ -48,25 +48,41 @@ _SELECTS = frozenset({"Select", "SelectV2"})
 # Their outputs do not depend on the values they read.
 _VALUE_FREE = frozenset({"Shape", "ShapeN", "Size", "Rank", "ZerosLike", "IsNan",
                          "IsFinite", "IsInf"})
-# A gradient kernel (`ReluGrad`, `MaxPoolGrad`, `FusedBatchNormGradV3`, ...) is
+# A gradient kernel (`ReluGrad`, `MaxPoolGradV2`, `FusedBatchNormGradV3`, ...) is
 # linear in its incoming-gradient argument, named so in its op definition.
 _GRADIENT_ARGUMENTS = frozenset({"gradients", "grad", "grads", "dy", "y_backprop",
                                  "out_backprop", "input_grads"})
 
+# `_gradient_op_type` names of overrides this package makes, linear by construction.
+_DECLARED = set()
+
+
+def declare_linear(tensors) -> None:
+    """Records that the gradient override of the ops making `tensors` is linear
+    (ours: a sum of vector-Jacobian products the probe cannot build alone)."""
+    for tensor in tensors:
+        attr = tensor.op.node_def.attr.get(loops.CUSTOM_GRADIENT_ATTR)
+        if attr is not None:
+            _DECLARED.add(attr.s)
+
+
+def declared_linear(op: tf.Operation) -> bool:
+    """Whether `op`'s gradient override was declared linear (`declare_linear`)."""
+    attr = op.node_def.attr.get(loops.CUSTOM_GRADIENT_ATTR)
+    return attr is not None and attr.s in _DECLARED
+
 
 def is_linear(ops, seeds, results) -> bool:
-    """Whether `results` are linear in the tensors `seeds` (zero seeds among
-    them count as zeros), made by `ops` (creation order, each after the ops it
-    reads). O(inputs of `ops`).
+    """Whether `results` are linear in the tensors `seeds` (the incoming
+    gradients, a zero one included: a second order may send it one), made by
+    `ops` (creation order, each after the ops it reads). O(inputs of `ops`).
 
     A tensor computed from the seeds otherwise (`bent`) may still feed an op
     whose output does not depend on its value: `tf.recompute_grad` makes its
     recomputation wait for the gradient through `where(g == g, 0, nan)`.
     """
-    seeds = [s for s in seeds if s is not None]
-    zero = {id(s) for s in seeds if _is_zero_maker(s.op)}
-    on_path = {id(s) for s in seeds} - zero
-    bent = set()
+    on_path = {id(s) for s in seeds if s is not None}
+    zero, bent = set(), set()
     for op in ops:
         if _value_free(op):
             if op.type == "ZerosLike":
@@ -79,6 +95,9 @@ def is_linear(ops, seeds, results) -> bool:
             if _is_zero_maker(op) or (op.type in _PRODUCTS
                                       and any(id(t) in zero for t in op.inputs)):
                 zero.update(id(t) for t in op.outputs)
+        elif op.type == "IdentityN":  # each output is its own input
+            on_path.update(id(op.outputs[i]) for i in reading)
+            zero.update(id(o) for t, o in zip(op.inputs, op.outputs) if id(t) in zero)
         elif _linear_op(op, reading, {i for i, t in enumerate(op.inputs) if id(t) in zero}):
             on_path.update(id(t) for t in op.outputs)
         else:
@@ -98,10 +117,11 @@ def _value_free(op) -> bool:
 def _linear_op(op, reading, zeros) -> bool:
     """Whether `op` is linear in its inputs `reading` (indices; `zeros`: inputs known zero)."""
     kind = op.type
-    if kind == "Cast" and not (op.outputs[0].dtype.is_floating or op.outputs[0].dtype.is_complex):
-        return False  # rounds
+    if kind == "Cast" and (not op.outputs[0].dtype.is_floating
+                           or op.outputs[0].dtype.size < op.inputs[0].dtype.size):
+        return False  # rounds to a coarser type (a gradient compressed to bfloat16)
     if kind in _LINEAR_IN_FIRST:
-        return reading == {0} or kind == "IdentityN"
+        return reading == {0}
     if kind in _LINEAR_IN:
         return reading == {_LINEAR_IN[kind]}
     data = _data_inputs(op)
@@ -113,7 +133,7 @@ def _linear_op(op, reading, zeros) -> bool:
         return reading == {0}
     if kind in _SELECTS:
         return 0 not in reading and {1, 2} <= reading | zeros
-    if kind.endswith("Grad") or "Backprop" in kind:
+    if "Grad" in kind or "Backprop" in kind:
         definition = compat.op_def(kind)
         names = [arg.name for arg in definition.input_arg] if definition else []
         return bool(names) and all(i < len(names) and names[i] in _GRADIENT_ARGUMENTS

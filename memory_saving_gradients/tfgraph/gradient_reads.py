@@ -147,7 +147,8 @@ def _reads(op, wanted, folds):
     except Exception as error:  # pylint: disable=broad-except  # any failure: assume the worst
         logger.debug("gradient of %s (%s) not probed, taken to read everything: %s",
                      op.name, op.type, error)
-        reads = dataclasses.replace(everything, linear=not _overridden(op))
+        reads = dataclasses.replace(everything, linear=not _overridden(op)
+                                    or gradient_linearity.declared_linear(op))
     if reads.linear and gradient_linearity.calls_nonlinear_gradients(
             op, lambda inner: gradient_reads(inner).linear):
         # A function call's gradient differentiates its body, overrides included.
@@ -212,8 +213,14 @@ def _probe(op, grad_fn, wanted, folds):
         ordered = (forwarding() if product_order.sums_first(
             new_ops, [r for r in results if r is not None]) else stock)
         stock_if_other = (None, None) if stock == ordered else stock
-        linear = not custom or gradient_linearity.is_linear(new_ops, seeds, results)
-    captured = [outer for outer, inner in pairs if id(inner) in read]
+        # Of every result, wanted or not: a second order may differentiate any input.
+        linear = (not custom or gradient_linearity.declared_linear(op)
+                  or gradient_linearity.is_linear(
+                      _leading_to(scratch.get_operations()[first_new:], all_results),
+                      seeds, all_results))
+    # An eager capture (a variable's handle made outside any function) is no activation.
+    captured = [outer for outer, inner in pairs
+                if id(inner) in read and not compat.is_eager_tensor(outer)]
     return Reads(tuple(i for i, t in enumerate(inputs) if id(t) in read
                        or any(c is op.inputs[i] for c in captured)),
                  tuple(i for i, t in enumerate(copy.outputs) if id(t) in read
