@@ -49,6 +49,8 @@ CASES = {
     "clip": (_custom(lambda h, dy: tf.clip_by_value(dy, -0.2, 0.2)), False),
     "bfloat16_compressed": (_custom(lambda h, dy: tf.cast(tf.cast(dy, tf.bfloat16), dy.dtype)),
                             False),
+    "scaled_by_a_count": (_custom(lambda h, dy: dy * tf.cast(
+        tf.size(tf.boolean_mask(dy, dy > 0)), dy.dtype)), False),
     "bias_through_identity_n": (_custom(lambda h, dy: tf.add_n(
         tf.identity_n([dy, 0.1 * tf.sign(h)]))), False),
     "normalized": (_custom(lambda h, dy: dy / tf.norm(dy)), False),

@@ -87,6 +87,8 @@ def is_linear(ops, seeds, results) -> bool:
         if _value_free(op):
             if op.type == "ZerosLike":
                 zero.update(id(t) for t in op.outputs)
+            elif any(id(t) in bent and not t.shape.is_fully_defined() for t in op.inputs):
+                bent.update(id(t) for t in op.outputs)  # a shape the values chose (boolean_mask)
             continue
         reading = {i for i, t in enumerate(op.inputs) if id(t) in on_path}
         if any(id(t) in bent for t in op.inputs):
