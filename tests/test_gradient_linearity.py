@@ -51,6 +51,11 @@ CASES = {
                             False),
     "scaled_by_a_count": (_custom(lambda h, dy: dy * tf.cast(
         tf.size(tf.boolean_mask(dy, dy > 0)), dy.dtype)), False),
+    "relu_through_a_nan_test": (_custom(lambda h, dy: tf.where(
+        tf.math.is_nan(tf.sqrt(dy)), tf.zeros_like(dy), dy)), False),
+    "bfloat16_round_trip_in_float16": (lambda x: tf.cast(_custom(
+        lambda h, dy: tf.cast(tf.cast(dy, tf.bfloat16), dy.dtype))(tf.cast(x, tf.float16)),
+        tf.float32), False),
     "bias_through_identity_n": (_custom(lambda h, dy: tf.add_n(
         tf.identity_n([dy, 0.1 * tf.sign(h)]))), False),
     "normalized": (_custom(lambda h, dy: dy / tf.norm(dy)), False),
@@ -140,9 +145,10 @@ def test_linearity_covers_inputs_the_first_order_does_not_differentiate():
     assert not gradient_reads.gradient_reads(op, wanted).linear
 
 
-def test_the_layer_decorators_own_gradient_counts_as_linear():
+@pytest.mark.parametrize("body", ["silu", "clip"])
+def test_the_layer_decorators_own_gradient_is_as_linear_as_its_body(body):
     """Its gradient calls our gradients on the layer's graph, which no probe can
-    build elsewhere: it is declared linear, so its layers stay recomputable."""
+    build elsewhere: it is declared linear where the body's overrides are."""
     import keras
     from memory_saving_gradients.keras import recompute_grad
 
@@ -152,7 +158,7 @@ def test_the_layer_decorators_own_gradient_counts_as_linear():
 
         @recompute_grad
         def call(self, inputs):
-            return self.dense(inputs) * 2.0
+            return CASES[body][0](self.dense(inputs) * 2.0)
 
     layer = Decorated()
 
@@ -163,6 +169,18 @@ def test_the_layer_decorators_own_gradient_counts_as_linear():
     import memory_saving_gradients as msg
     with msg.checkpointing():
         graph = step.get_concrete_function(tf.TensorSpec([3, 4])).graph
-    overridden = [op for op in graph.get_operations() if "_gradient_op_type" in op.node_def.attr]
-    assert overridden
-    assert all(gradient_reads.gradient_reads(op).linear for op in overridden)
+    *inner, segment = [op for op in graph.get_operations()
+                       if "_gradient_op_type" in op.node_def.attr]  # the segment's comes last
+    assert inner and segment.inputs[0].op.name.startswith(inner[-1].name)
+    assert gradient_reads.gradient_reads(segment).linear == CASES[body][1]
+
+
+@pytest.mark.parametrize("name", ["reversal", "clip"])
+def test_a_loop_is_as_linear_as_the_overrides_in_its_body(name):
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [3, 4])
+        tf.while_loop(lambda i, h: i < 3, lambda i, h: (i + 1, CASES[name][0](tf.sin(h))),
+                      [0, x])
+    (loop,) = [op for op in graph.get_operations() if op.type in ("While", "StatelessWhile")]
+    assert gradient_reads.gradient_reads(loop).linear == CASES[name][1]

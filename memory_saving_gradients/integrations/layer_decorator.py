@@ -33,8 +33,8 @@ import tensorflow as tf
 
 from memory_saving_gradients import api
 from memory_saving_gradients.integrations import patching
-from memory_saving_gradients.tfgraph import captures, compat, gradient_linearity, gradient_waits
-from memory_saving_gradients.tfgraph import graph_walks
+from memory_saving_gradients.tfgraph import captures, compat, gradient_linearity, gradient_reads
+from memory_saving_gradients.tfgraph import gradient_waits, graph_walks
 from memory_saving_gradients.tfgraph import ledger
 
 logger = logging.getLogger("memory_saving_gradients")
@@ -202,6 +202,8 @@ def _call_as_segment(call: Callable, layer: keras.layers.Layer, args: tuple,
         finally:
             _building.depth -= 1
         body_ops = graph.get_operations()[first_op:]  # in creation order
+        body_linear.append(gradient_linearity.overrides_linear(
+            body_ops, lambda op: gradient_reads.gradient_reads(op).linear))
 
         def gradient(*output_grads, variables: Optional[list] = None):
             grads = _recomputed_gradients(graph, outputs, body_ops, inputs, variables or [],
@@ -211,10 +213,13 @@ def _call_as_segment(call: Callable, layer: keras.layers.Layer, args: tuple,
 
         return outputs, gradient
 
+    body_linear = []
     results = segment(*[leaves[i] for i in slots])
-    # Its gradient is our rewrite's, a sum of vector-Jacobian products: linear,
-    # so the segment may be recomputed (the probe cannot build it off its graph).
-    gradient_linearity.declare_linear(tf.nest.flatten(results))
+    if all(body_linear):
+        # Its gradient is our rewrite's through the body: linear where the
+        # body's overrides are, so the segment may be recomputed (the probe
+        # cannot build it off its graph).
+        gradient_linearity.declare_linear(results)
     return results
 
 

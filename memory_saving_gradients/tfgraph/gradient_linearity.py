@@ -45,9 +45,9 @@ _PRODUCTS = frozenset({
     "DepthwiseConv2dNativeBackpropInput", "DepthwiseConv2dNativeBackpropFilter"})
 _QUOTIENTS = frozenset({"RealDiv", "Div", "DivNoNan"})
 _SELECTS = frozenset({"Select", "SelectV2"})
-# Their outputs do not depend on the values they read.
-_VALUE_FREE = frozenset({"Shape", "ShapeN", "Size", "Rank", "ZerosLike", "IsNan",
-                         "IsFinite", "IsInf"})
+# Their outputs depend on the shapes they read, not the values (`_value_free`).
+_SHAPES = frozenset({"Shape", "ShapeN", "Size", "Rank", "ZerosLike"})
+_NAN_TESTS = frozenset({"IsNan", "IsFinite", "IsInf"})
 # A gradient kernel (`ReluGrad`, `MaxPoolGradV2`, `FusedBatchNormGradV3`, ...) is
 # linear in its incoming-gradient argument, named so in its op definition.
 _GRADIENT_ARGUMENTS = frozenset({"gradients", "grad", "grads", "dy", "y_backprop",
@@ -58,9 +58,12 @@ _DECLARED = set()
 
 
 def declare_linear(tensors) -> None:
-    """Records that the gradient override of the ops making `tensors` is linear
-    (ours: a sum of vector-Jacobian products the probe cannot build alone)."""
-    for tensor in tensors:
+    """Records that the gradient override of the ops making `tensors` (any
+    nest, composites included) is linear: ours, a sum of vector-Jacobian
+    products the probe cannot build alone."""
+    for tensor in tf.nest.flatten(tensors, expand_composites=True):
+        if not isinstance(tensor, tf.Tensor):
+            continue
         attr = tensor.op.node_def.attr.get(loops.CUSTOM_GRADIENT_ATTR)
         if attr is not None:
             _DECLARED.add(attr.s)
@@ -84,11 +87,9 @@ def is_linear(ops, seeds, results) -> bool:
     on_path = {id(s) for s in seeds if s is not None}
     zero, bent = set(), set()
     for op in ops:
-        if _value_free(op):
+        if _value_free(op, bent):
             if op.type == "ZerosLike":
                 zero.update(id(t) for t in op.outputs)
-            elif any(id(t) in bent and not t.shape.is_fully_defined() for t in op.inputs):
-                bent.update(id(t) for t in op.outputs)  # a shape the values chose (boolean_mask)
             continue
         reading = {i for i, t in enumerate(op.inputs) if id(t) in on_path}
         if any(id(t) in bent for t in op.inputs):
@@ -108,20 +109,26 @@ def is_linear(ops, seeds, results) -> bool:
                for result in results for r in _parts(result))
 
 
-def _value_free(op) -> bool:
-    """Whether `op`'s outputs are the same whatever values it reads (NaNs aside:
-    a NaN gradient stays NaN either way)."""
-    if op.type in ("Equal", "NotEqual"):
-        return op.inputs[0] is op.inputs[1]  # `g == g`: a NaN test
-    return op.type in _VALUE_FREE
+def _value_free(op, bent) -> bool:
+    """Whether `op`'s outputs are the same whatever values it reads, given the
+    tensors computed nonlinearly from the gradients (`bent`): a shape, unless
+    those values chose it (`boolean_mask`); a NaN test of a linear function of
+    them (NaNs aside: a NaN gradient stays NaN either way), not of a bent one
+    (`sqrt(dy)` is NaN where dy < 0); `b == b` of an integer or bool."""
+    reads_bent = [t for t in op.inputs if id(t) in bent]
+    if op.type in ("Equal", "NotEqual") and op.inputs[0] is op.inputs[1]:
+        dtype = op.inputs[0].dtype
+        return not (dtype.is_floating or dtype.is_complex) or not reads_bent
+    if op.type in _SHAPES:
+        return all(t.shape.is_fully_defined() for t in reads_bent)
+    return op.type in _NAN_TESTS and not reads_bent
 
 
 def _linear_op(op, reading, zeros) -> bool:
     """Whether `op` is linear in its inputs `reading` (indices; `zeros`: inputs known zero)."""
     kind = op.type
-    if kind == "Cast" and (not op.outputs[0].dtype.is_floating
-                           or op.outputs[0].dtype.size < op.inputs[0].dtype.size):
-        return False  # rounds to a coarser type (a gradient compressed to bfloat16)
+    if kind == "Cast" and not _widens(op.inputs[0].dtype, op.outputs[0].dtype):
+        return False  # rounds (a gradient compressed to bfloat16)
     if kind in _LINEAR_IN_FIRST:
         return reading == {0}
     if kind in _LINEAR_IN:
@@ -141,6 +148,12 @@ def _linear_op(op, reading, zeros) -> bool:
         return bool(names) and all(i < len(names) and names[i] in _GRADIENT_ARGUMENTS
                                    for i in reading)
     return False
+
+
+def _widens(source: tf.DType, target: tf.DType) -> bool:
+    """Whether a cast from float `source` to `target` is exact: the same type,
+    or a float with more bytes (float16 and bfloat16 round into each other)."""
+    return target == source or (target.is_floating and target.size > source.size)
 
 
 def _data_inputs(op) -> set:
@@ -173,6 +186,13 @@ def _parts(result):
     return (result.values,)
 
 
+def overrides_linear(ops, linear) -> bool:
+    """Whether every op among `ops` with a gradient override or a called function
+    has a linear gradient (`linear(op)`): then so does a gradient through them."""
+    return all(linear(op) for op in ops
+               if loops.CUSTOM_GRADIENT_ATTR in op.node_def.attr or any(_called_names(op.node_def)))
+
+
 def calls_nonlinear_gradients(op: tf.Operation, linear) -> bool:
     """Whether a function `op` calls (a PartitionedCall's, an If's branches)
     holds an op whose gradient `linear(inner op)` finds not linear (a call
@@ -182,9 +202,7 @@ def calls_nonlinear_gradients(op: tf.Operation, linear) -> bool:
         function = purity.find_function(op.graph, name)
         graph = getattr(function, "graph", None)
         if graph is not None:
-            if any(not linear(inner) for inner in graph.get_operations()
-                   if loops.CUSTOM_GRADIENT_ATTR in inner.node_def.attr
-                   or any(_called_names(inner.node_def))):
+            if not overrides_linear(graph.get_operations(), linear):
                 return True
         elif _definition_overrides(op.graph, name):
             return True

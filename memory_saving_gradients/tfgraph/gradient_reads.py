@@ -129,6 +129,17 @@ def _read_outputs(op):
 def _reads(op, wanted, folds):
     """The Reads of `op`'s registered gradient, probed (two threads tracing at
     once may both probe one kind: the same answer, stored twice)."""
+    reads = _probed(op, wanted, folds)
+    if reads.linear and gradient_linearity.calls_nonlinear_gradients(
+            op, lambda inner: gradient_reads(inner).linear):
+        # A function's gradient (a call's, a loop body's) differentiates its
+        # body, overrides included.
+        reads = dataclasses.replace(reads, linear=False)
+    return reads
+
+
+def _probed(op, wanted, folds):
+    """`_reads` but for the functions `op` calls."""
     everything = Reads(tuple(range(len(op.inputs))), tuple(range(len(op.outputs))))
     if op.type in loops.LOOP_OP_TYPES:
         # while_v2's gradient reads the loop's stacks (its accumulator outputs,
@@ -143,17 +154,12 @@ def _reads(op, wanted, folds):
     if grad_fn is None:
         return Reads((), ())
     try:
-        reads = _probe(op, grad_fn, wanted, folds)
+        return _probe(op, grad_fn, wanted, folds)
     except Exception as error:  # pylint: disable=broad-except  # any failure: assume the worst
         logger.debug("gradient of %s (%s) not probed, taken to read everything: %s",
                      op.name, op.type, error)
-        reads = dataclasses.replace(everything, linear=not _overridden(op)
-                                    or gradient_linearity.declared_linear(op))
-    if reads.linear and gradient_linearity.calls_nonlinear_gradients(
-            op, lambda inner: gradient_reads(inner).linear):
-        # A function call's gradient differentiates its body, overrides included.
-        reads = dataclasses.replace(reads, linear=False)
-    return reads
+        return dataclasses.replace(everything, linear=not _overridden(op)
+                                   or gradient_linearity.declared_linear(op))
 
 
 def _overridden(op):
