@@ -428,3 +428,30 @@ def test_two_stacked_layers_holding_loops(plain, decorated):
         return step(xs)
 
     _assert_same_gradients(gradients, layers)
+
+
+def test_a_layer_returning_a_ragged_tensor_gets_its_gradient():
+    """tf.custom_gradient passes a composite output through with no gradient
+    (None before session 37): the segment returns its components instead."""
+    class Ragged(keras.layers.Layer):
+        @recompute_grad
+        def call(self, x):
+            return tf.RaggedTensor.from_tensor(tf.tanh(x) * 2.0, lengths=[2, 1, 3])
+
+    layer = Ragged()
+
+    def make_step():
+        @tf.function
+        def step(x):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                y = tf.reduce_sum(layer(x).flat_values ** 2)
+            return tape.gradient(y, x)
+        return step
+
+    x = tf.constant(np.random.RandomState(0).randn(3, 4).astype(np.float32))
+    with msg.checkpointing():
+        ours = make_step()(x)
+    stock = make_step()(x)
+    np.testing.assert_allclose(ours.numpy(), stock.numpy(), rtol=1e-6)
+    assert np.abs(stock.numpy()).sum() > 0

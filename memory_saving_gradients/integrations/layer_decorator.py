@@ -204,6 +204,11 @@ def _call_as_segment(call: Callable, layer: keras.layers.Layer, args: tuple,
         body_ops = graph.get_operations()[first_op:]  # in creation order
         body_linear.append(gradient_linearity.overrides_linear(
             body_ops, lambda op: gradient_reads.gradient_reads(op).linear))
+        if len(tf.nest.flatten(outputs, expand_composites=True)) != len(tf.nest.flatten(outputs)):
+            # tf.custom_gradient passes a RaggedTensor or SparseTensor through
+            # without a gradient: it gets their component tensors, packed again below.
+            composite.append(outputs)
+            outputs = tf.nest.flatten(outputs, expand_composites=True)
 
         def gradient(*output_grads, variables: Optional[list] = None):
             grads = _recomputed_gradients(graph, outputs, body_ops, inputs, variables or [],
@@ -213,13 +218,15 @@ def _call_as_segment(call: Callable, layer: keras.layers.Layer, args: tuple,
 
         return outputs, gradient
 
-    body_linear = []
+    body_linear, composite = [], []
     results = segment(*[leaves[i] for i in slots])
     if all(body_linear):
         # Its gradient is our rewrite's through the body: linear where the
         # body's overrides are, so the segment may be recomputed (the probe
         # cannot build it off its graph).
         gradient_linearity.declare_linear(results)
+    if composite:
+        results = tf.nest.pack_sequence_as(composite[0], list(results), expand_composites=True)
     return results
 
 
