@@ -276,12 +276,20 @@ def _check(problem, runtime):
     x = np.random.RandomState(len(problem["nodes"])).randn(4, WIDTH)
     outcome = gradients_vs_stock(runtime, _build(problem), {"x": x}, modes=("memory", "speed"))
     random = bool(kinds & _RANDOM)
+    second = max(tolerance, 1e-5 if kinds & _FLOAT32_INSIDE else 1e-7)
+
+    def forward_tolerance(name, value):
+        # A second order run again beside our gradients' ops is summed in
+        # another order: in float16, by about one rounding of its largest terms.
+        if "_second" in name:
+            return second, _second_order_atol(value, second)
+        return tolerance, tolerance * 1e-3
+
     assert_matches_stock(outcome, rtol=tolerance, atol=tolerance * 1e-3,
-                         forward_unchanged=not random)
+                         forward_unchanged=not random, forward_tolerance=forward_tolerance)
     for name in outcome.forward:
         if name.startswith("ours_second"):
             ours, stock = outcome.forward[name], outcome.forward[name.replace("ours", "stock")]
-            second = max(tolerance, 1e-5 if kinds & _FLOAT32_INSIDE else 1e-7)
             if second > 1e-7:
                 # Stock's float16 sums overflow (inf, nan) where ours, added in
                 # float64, may not: compare where stock is finite (ours must be too).
@@ -355,6 +363,18 @@ def test_second_order_float16_overflow_of_stock_is_not_compared():
         second_order=True, stop_node=5, checkpoints=[4], extra=set(), x_nodes=[5],
         unconnected=False, separate_ys=True, grad_ys=True)
     _check(problem, "session")
+
+
+def test_second_order_in_float16_run_beside_our_gradients_differs_by_rounding_only():
+    """A drawn example (session 37, the long profile): our second order, run
+    again in the graph holding our gradients' ops too, came out 0.09 from its
+    first run at an entry of 4.2 among entries of 214 (float16 sums)."""
+    problem = dict(
+        nodes=[("matmul", (0,), 0), ("float16", (1,), 0), ("stateless_random", (2,), 0),
+               ("matmul", (0,), 0), ("matmul", (2,), 0), ("softmax", (5,), 0), ("case", (6,), 1)],
+        second_order=True, stop_node=6, checkpoints=[4], extra=set(), x_nodes=[],
+        unconnected=True, separate_ys=True, grad_ys=False)
+    _check(problem, "function")
 
 
 def test_second_order_through_float32_batch_norm_differs_by_rounding_only():
