@@ -455,3 +455,70 @@ def test_a_layer_returning_a_ragged_tensor_gets_its_gradient():
     stock = make_step()(x)
     np.testing.assert_allclose(ours.numpy(), stock.numpy(), rtol=1e-6)
     assert np.abs(stock.numpy()).sum() > 0
+
+
+def test_a_layer_returning_a_sparse_tensor_keeps_its_static_shape():
+    """Only the float components pass the gradient boundary: the indices and
+    dense shape stay as the body made them (a Dense after it must build)."""
+    class Sparse(keras.layers.Layer):
+        @recompute_grad
+        def call(self, x):
+            return tf.sparse.from_dense(tf.nn.relu(x) * 2.0)
+
+    layer, dense = Sparse(), keras.layers.Dense(1)
+
+    def make_step():
+        @tf.function
+        def step(x):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                out = layer(x)
+                assert out.shape.as_list() == [8, 4]
+                y = tf.reduce_sum(dense(tf.sparse.to_dense(out)) ** 2)
+            return tape.gradient(y, x)
+        return step
+
+    x = tf.constant(np.random.RandomState(0).randn(8, 4).astype(np.float32))
+    with msg.checkpointing():
+        ours = make_step()(x)
+    np.testing.assert_allclose(ours.numpy(), make_step()(x).numpy(), rtol=1e-6)
+
+
+@pytest.mark.parametrize("switch", ["RECOMPUTE", "checkpointing"])
+def test_nested_tapes_through_a_layer_give_the_stock_second_order(switch, monkeypatch):
+    """Our recomputed copies are made off the tape: where a tape records the
+    layer's gradient (a gradient penalty), the body is differentiated as it is
+    (before session 37: 69% and 87% off for the input's and weight's)."""
+    class Squared(keras.layers.Layer):
+        def build(self, shape):
+            self.w = self.add_weight(shape=(shape[-1], 4), initializer="glorot_uniform")
+
+        @recompute_grad
+        def call(self, x):
+            return tf.tanh(x @ self.w) ** 2
+
+    layer = Squared()
+    layer.build((3, 4))
+
+    def make_step():
+        @tf.function
+        def step(x):
+            with tf.GradientTape(persistent=True) as outer:
+                outer.watch(x)
+                with tf.GradientTape() as inner:
+                    inner.watch(x)
+                    y = tf.reduce_sum(layer(x))
+                penalty = tf.add_n([tf.reduce_sum(g ** 2) for g in inner.gradient(y, [x, layer.w])])
+            return outer.gradient(penalty, [x, layer.w])
+        return step
+
+    x = tf.constant(np.random.RandomState(1).randn(3, 4).astype(np.float32))
+    stock = make_step()(x)
+    if switch == "RECOMPUTE":  # the decorator alone; `checkpointing` hooks the tapes too
+        monkeypatch.setattr(layer_decorator, "_ENV_ON", True)
+        ours = make_step()(x)
+    else:
+        with msg.checkpointing():
+            ours = make_step()(x)
+    for got, want in zip(ours, stock):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-6)

@@ -206,9 +206,11 @@ def _call_as_segment(call: Callable, layer: keras.layers.Layer, args: tuple,
             body_ops, lambda op: gradient_reads.gradient_reads(op).linear))
         if len(tf.nest.flatten(outputs, expand_composites=True)) != len(tf.nest.flatten(outputs)):
             # tf.custom_gradient passes a RaggedTensor or SparseTensor through
-            # without a gradient: it gets their component tensors, packed again below.
+            # without a gradient: it gets their float components, packed again
+            # below with the others (indices, shapes) as the body made them.
             composite.append(outputs)
-            outputs = tf.nest.flatten(outputs, expand_composites=True)
+            outputs = [t for t in tf.nest.flatten(outputs, expand_composites=True)
+                       if t.dtype.is_floating]
 
         def gradient(*output_grads, variables: Optional[list] = None):
             grads = _recomputed_gradients(graph, outputs, body_ops, inputs, variables or [],
@@ -225,8 +227,16 @@ def _call_as_segment(call: Callable, layer: keras.layers.Layer, args: tuple,
         # body's overrides are, so the segment may be recomputed (the probe
         # cannot build it off its graph).
         gradient_linearity.declare_linear(results)
+    else:
+        _log_once(f"{type(layer).__name__}: its call holds a gradient override that is not "
+                  f"linear in the incoming gradient (a clipping tf.custom_gradient?); "
+                  f"second-order gradients through it (a gradient penalty) come out "
+                  f"inexact with @recompute_grad: leave such layers undecorated")
     if composite:
-        results = tf.nest.pack_sequence_as(composite[0], list(results), expand_composites=True)
+        floats = iter(results)
+        parts = [next(floats) if t.dtype.is_floating else t
+                 for t in tf.nest.flatten(composite[0], expand_composites=True)]
+        results = tf.nest.pack_sequence_as(composite[0], parts, expand_composites=True)
     return results
 
 
@@ -249,7 +259,15 @@ def _recomputed_gradients(graph, outputs, body_ops: list, inputs: tuple, variabl
     pairs = [(y, g) for y, g in zip(tf.nest.flatten(outputs), output_grads)
              if id(y) in reached and y.dtype.is_floating and g is not None]
     grads = [None] * len(xs)
-    if pairs:
+    if pairs and compat.any_tape_recording():
+        # A tape records this gradient (nested tapes: a higher order). Our
+        # copies are made off the tape, so it would miss their part: the
+        # body's own ops are differentiated, with TensorFlow's gradient.
+        _log_once("a GradientTape records the gradient of @recompute_grad layers (nested "
+                  "tapes: a higher order); those layers are differentiated without "
+                  "recomputation there")
+        grads = compat.stock_gradients([y for y, _ in pairs], xs, grad_ys=[g for _, g in pairs])
+    elif pairs:
         ys, grad_ys, body = [y for y, _ in pairs], [g for _, g in pairs], set(body_ops)
         grads = api.gradients(ys, xs, grad_ys=grad_ys,
                               checkpoints=[y for y in ys if y.op in body])
