@@ -204,13 +204,13 @@ def _call_as_segment(call: Callable, layer: keras.layers.Layer, args: tuple,
         body_ops = graph.get_operations()[first_op:]  # in creation order
         body_linear.append(gradient_linearity.overrides_linear(
             body_ops, lambda op: gradient_reads.gradient_reads(op).linear))
-        if len(tf.nest.flatten(outputs, expand_composites=True)) != len(tf.nest.flatten(outputs)):
+        components = tf.nest.flatten(outputs, expand_composites=True)
+        if len(components) != len(tf.nest.flatten(outputs)):
             # tf.custom_gradient passes a RaggedTensor or SparseTensor through
             # without a gradient: it gets their float components, packed again
             # below with the others (indices, shapes) as the body made them.
             composite.append(outputs)
-            outputs = [t for t in tf.nest.flatten(outputs, expand_composites=True)
-                       if t.dtype.is_floating]
+            outputs = [t for t in components if t.dtype.is_floating]
 
         def gradient(*output_grads, variables: Optional[list] = None):
             grads = _recomputed_gradients(graph, outputs, body_ops, inputs, variables or [],
@@ -259,6 +259,7 @@ def _recomputed_gradients(graph, outputs, body_ops: list, inputs: tuple, variabl
     pairs = [(y, g) for y, g in zip(tf.nest.flatten(outputs), output_grads)
              if id(y) in reached and y.dtype.is_floating and g is not None]
     grads = [None] * len(xs)
+    ys, grad_ys = [y for y, _ in pairs], [g for _, g in pairs]
     if pairs and compat.any_tape_recording():
         # A tape records this gradient (nested tapes: a higher order). Our
         # copies are made off the tape, so it would miss their part: the
@@ -266,9 +267,9 @@ def _recomputed_gradients(graph, outputs, body_ops: list, inputs: tuple, variabl
         _log_once("a GradientTape records the gradient of @recompute_grad layers (nested "
                   "tapes: a higher order); those layers are differentiated without "
                   "recomputation there")
-        grads = compat.stock_gradients([y for y, _ in pairs], xs, grad_ys=[g for _, g in pairs])
+        grads = compat.stock_gradients(ys, xs, grad_ys=grad_ys)
     elif pairs:
-        ys, grad_ys, body = [y for y, _ in pairs], [g for _, g in pairs], set(body_ops)
+        body = set(body_ops)
         grads = api.gradients(ys, xs, grad_ys=grad_ys,
                               checkpoints=[y for y in ys if y.op in body])
     grad_of = dict(zip(map(id, read_values), grads[len(inputs):]))

@@ -180,7 +180,7 @@ def _is_zero_maker(op) -> bool:
 
 
 def _parts(result):
-    """The tensors a gradient result is made of (an IndexedSlices' values and indices)."""
+    """The tensors of a gradient result that carry gradient (an IndexedSlices' values)."""
     if result is None or isinstance(result, tf.Tensor):
         return (result,)
     return (result.values,)
@@ -190,7 +190,8 @@ def overrides_linear(ops, linear) -> bool:
     """Whether every op among `ops` with a gradient override or a called function
     has a linear gradient (`linear(op)`): then so does a gradient through them."""
     return all(linear(op) for op in ops
-               if loops.CUSTOM_GRADIENT_ATTR in op.node_def.attr or any(_called_names(op.node_def)))
+               if loops.CUSTOM_GRADIENT_ATTR in op.node_def.attr
+               or purity.called_functions(op.node_def))
 
 
 def calls_nonlinear_gradients(op: tf.Operation, linear) -> bool:
@@ -198,7 +199,7 @@ def calls_nonlinear_gradients(op: tf.Operation, linear) -> bool:
     holds an op whose gradient `linear(inner op)` finds not linear (a call
     inside is asked the same through `linear`). Of a function traced in
     another process, only its definition is known: any override counts."""
-    for name in _called_names(op.node_def):
+    for name in purity.called_functions(op.node_def):
         function = purity.find_function(op.graph, name)
         graph = getattr(function, "graph", None)
         if graph is not None:
@@ -207,12 +208,6 @@ def calls_nonlinear_gradients(op: tf.Operation, linear) -> bool:
         elif _definition_overrides(op.graph, name):
             return True
     return False
-
-
-def _called_names(node_def) -> list:
-    """Names of the functions a NodeDef's attributes name."""
-    return [value.func.name for value in node_def.attr.values() if value.func.name] + [
-        f.name for value in node_def.attr.values() for f in value.list.func]
 
 
 def _definition_overrides(graph, name) -> bool:

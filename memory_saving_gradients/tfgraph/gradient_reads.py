@@ -130,12 +130,12 @@ def _reads(op, wanted, folds):
     """The Reads of `op`'s registered gradient, probed (two threads tracing at
     once may both probe one kind: the same answer, stored twice)."""
     reads = _probed(op, wanted, folds)
-    if reads.linear and gradient_linearity.calls_nonlinear_gradients(
-            op, lambda inner: gradient_reads(inner).linear):
-        # A function's gradient (a call's, a loop body's) differentiates its
-        # body, overrides included.
-        reads = dataclasses.replace(reads, linear=False)
-    return reads
+    # A function's gradient (a call's, a loop body's) differentiates its body,
+    # overrides included. Our own overrides are linear by construction.
+    linear = gradient_linearity.declared_linear(op) or (
+        reads.linear and not gradient_linearity.calls_nonlinear_gradients(
+            op, lambda inner: gradient_reads(inner).linear))
+    return reads if linear == reads.linear else dataclasses.replace(reads, linear=linear)
 
 
 def _probed(op, wanted, folds):
@@ -158,8 +158,7 @@ def _probed(op, wanted, folds):
     except Exception as error:  # pylint: disable=broad-except  # any failure: assume the worst
         logger.debug("gradient of %s (%s) not probed, taken to read everything: %s",
                      op.name, op.type, error)
-        return dataclasses.replace(everything, linear=not _overridden(op)
-                                   or gradient_linearity.declared_linear(op))
+        return dataclasses.replace(everything, linear=not _overridden(op))
 
 
 def _overridden(op):
@@ -220,10 +219,8 @@ def _probe(op, grad_fn, wanted, folds):
             new_ops, [r for r in results if r is not None]) else stock)
         stock_if_other = (None, None) if stock == ordered else stock
         # Of every result, wanted or not: a second order may differentiate any input.
-        linear = (not custom or gradient_linearity.declared_linear(op)
-                  or gradient_linearity.is_linear(
-                      _leading_to(scratch.get_operations()[first_new:], all_results),
-                      seeds, all_results))
+        linear = not custom or gradient_linearity.is_linear(
+            _leading_to(scratch.get_operations()[first_new:], all_results), seeds, all_results)
     # An eager capture (a variable's handle made outside any function) is no activation.
     captured = [outer for outer, inner in pairs
                 if id(inner) in read and not compat.is_eager_tensor(outer)]
