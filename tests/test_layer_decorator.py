@@ -522,3 +522,54 @@ def test_nested_tapes_through_a_layer_give_the_stock_second_order(switch, monkey
             ours = make_step()(x)
     for got, want in zip(ours, stock):
         np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-6)
+
+
+@tf.custom_gradient
+def _clipped_gradient(x):
+    return tf.identity(x), lambda dy: tf.clip_by_value(dy, -0.1, 0.1)
+
+
+class ClippingLayer(keras.layers.Layer):
+    """A body holding a gradient override not linear in the incoming gradient."""
+
+    def build(self, shape):
+        self.w = self.add_weight(shape=(shape[-1], 4), initializer="glorot_uniform")
+
+    @recompute_grad
+    def call(self, x):
+        return tf.tanh(_clipped_gradient(x @ self.w)) ** 2
+
+
+@pytest.mark.parametrize("order", ["tf.gradients", "our gradients", "nested tapes"])
+def test_a_body_with_a_nonlinear_override_is_no_segment(order, monkeypatch, caplog,
+                                                        count_segments):
+    """A second order through a segment would reach the clipping override in two
+    parts, clipped apart (with tf.gradients 38% and 67% off for the input's and
+    weight's before session 38): such a layer builds plainly, and says so."""
+    layer = ClippingLayer()
+    layer.build((3, 4))
+
+    def second_order(x):
+        if order == "nested tapes":
+            with tf.GradientTape(persistent=True) as outer:
+                outer.watch(x)
+                with tf.GradientTape() as inner:
+                    inner.watch(x)
+                    y = tf.reduce_sum(layer(x) ** 2)
+                penalty = tf.reduce_sum(inner.gradient(y, x) ** 2) + y
+            return outer.gradient(penalty, [x, layer.w])
+        differentiate = tf.gradients if order == "tf.gradients" else msg.gradients_memory
+        y = tf.reduce_sum(layer(x) ** 2)
+        penalty = tf.reduce_sum(differentiate(y, [x])[0] ** 2) + y
+        return differentiate(penalty, [x, layer.w])
+
+    x = tf.constant(np.random.RandomState(1).randn(3, 4).astype(np.float32))
+    stock = tf.function(second_order)(x)
+    monkeypatch.setattr(layer_decorator, "_ENV_ON", True)
+    monkeypatch.setattr(layer_decorator, "_logged", set())
+    with caplog.at_level(logging.WARNING, logger="memory_saving_gradients"):
+        ours = tf.function(second_order)(x)
+    for got, want in zip(ours, stock):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-6)
+    assert "not a recomputed segment" in caplog.text
+    assert count_segments == []

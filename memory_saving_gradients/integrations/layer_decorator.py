@@ -95,7 +95,10 @@ def recompute_grad(call: Callable) -> Callable:
       ...         return super().call(inputs)
 
     Eagerly (Keras `run_eagerly=True`) there is no graph to rewrite: the
-    layer runs undecorated and a warning is logged once.
+    layer runs undecorated and a warning is logged once. So does a layer whose
+    body holds a gradient override not linear in the incoming gradient (a
+    clipping `tf.custom_gradient`), where a segment would make second orders
+    wrong.
 
     Raises:
       TypeError: if `call` is not a function named `call` defined in a class
@@ -202,6 +205,7 @@ def _call_as_segment(call: Callable, layer: keras.layers.Layer, args: tuple,
         finally:
             _building.depth -= 1
         body_ops = graph.get_operations()[first_op:]  # in creation order
+        body.append(outputs)
         body_linear.append(gradient_linearity.overrides_linear(
             body_ops, lambda op: gradient_reads.gradient_reads(op).linear))
         components = tf.nest.flatten(outputs, expand_composites=True)
@@ -220,18 +224,23 @@ def _call_as_segment(call: Callable, layer: keras.layers.Layer, args: tuple,
 
         return outputs, gradient
 
-    body_linear, composite = [], []
+    body, body_linear, composite = [], [], []
     results = segment(*[leaves[i] for i in slots])
-    if all(body_linear):
-        # Its gradient is our rewrite's through the body: linear where the
-        # body's overrides are, so the segment may be recomputed (the probe
-        # cannot build it off its graph).
-        gradient_linearity.declare_linear(results)
-    else:
+    if not all(body_linear):
+        # A second order through the boundary would reach the override in two
+        # parts (through our gradient's copies and through the boundary's own
+        # gradient) and apply it to each: clip(a) + clip(b), not clip(a + b).
+        # The body's own outputs bypass the boundary, left unread; the
+        # rewrite outside keeps such overrides' ops (stock gradients there).
         _log_once(f"{type(layer).__name__}: its call holds a gradient override that is not "
-                  f"linear in the incoming gradient (a clipping tf.custom_gradient?); "
-                  f"second-order gradients through it (a gradient penalty) come out "
-                  f"inexact with @recompute_grad: leave such layers undecorated")
+                  f"linear in the incoming gradient (a clipping tf.custom_gradient?), so "
+                  f"it is not a recomputed segment (a second order through one would "
+                  f"be wrong); TensorFlow differentiates it as it is")
+        return body[0]
+    # Its gradient is our rewrite's through the body: linear where the body's
+    # overrides are, so the segment may be recomputed (the probe cannot build
+    # it off its graph).
+    gradient_linearity.declare_linear(results)
     if composite:
         floats = iter(results)
         parts = [next(floats) if t.dtype.is_floating else t
