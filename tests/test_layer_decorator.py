@@ -573,3 +573,102 @@ def test_a_body_with_a_nonlinear_override_is_no_segment(order, monkeypatch, capl
         np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-6)
     assert "not a recomputed segment" in caplog.text
     assert count_segments == []
+
+
+def test_an_outer_layer_with_a_nonlinear_override_names_the_layers_it_holds(caplog,
+                                                                           monkeypatch):
+    """Decorated layers called inside a decorated layer build plainly (the outer
+    segment recomputes them); where the outer is no segment the warning says
+    to decorate them instead."""
+    class Linear(keras.layers.Layer):
+        def build(self, shape):
+            self.w = self.add_weight(shape=(shape[-1], 4), initializer="glorot_uniform")
+
+        @recompute_grad
+        def call(self, x):
+            return tf.tanh(x @ self.w)
+
+    class Holder(keras.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.clipping, self.linear = ClippingLayer(), Linear()
+
+        @recompute_grad
+        def call(self, x):
+            return self.linear(self.clipping(x))
+
+    layer = Holder()
+    monkeypatch.setattr(layer_decorator, "_ENV_ON", True)
+    monkeypatch.setattr(layer_decorator, "_logged", set())
+    with caplog.at_level(logging.WARNING, logger="memory_saving_gradients"):
+        tf.function(lambda x: tf.gradients(tf.reduce_sum(layer(x)), x))(tf.ones((3, 4)))
+    assert "Holder: its call holds" in caplog.text
+    assert "(ClippingLayer, Linear)" in caplog.text and "instead of Holder" in caplog.text
+
+
+@pytest.mark.parametrize("extra", [None, 3, "int tensor"])
+def test_outputs_holding_none_python_values_or_ints_pass_through(extra, count_segments):
+    """tf.custom_gradient refuses None and Python values among its outputs (a
+    crash before session 38): only float tensors pass the segment's boundary."""
+    class Pair(keras.layers.Layer):
+        def build(self, shape):
+            self.w = self.add_weight(shape=(shape[-1], 4), initializer="glorot_uniform")
+
+        @recompute_grad
+        def call(self, x):
+            h = tf.tanh(x @ self.w)
+            return {"h": h, "extra": tf.argmax(h, axis=-1) if extra == "int tensor" else extra}
+
+    layer = Pair()
+    layer.build((3, 4))
+
+    def make_step():
+        @tf.function
+        def step(x):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                out = layer(x)
+                assert (out["extra"].dtype == tf.int64 if extra == "int tensor"
+                        else out["extra"] == extra)
+                y = tf.reduce_sum(out["h"] ** 2)
+            return tape.gradient(y, [x, layer.w])
+        return step
+
+    x = tf.constant(np.random.RandomState(0).randn(3, 4).astype(np.float32))
+    stock = make_step()(x)
+    with msg.checkpointing():
+        ours = make_step()(x)
+    for got, want in zip(ours, stock):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-6, atol=1e-7)
+    assert len(count_segments) == 1
+
+
+def test_a_loss_read_inside_a_nonlinear_body_gets_the_stock_first_order(monkeypatch):
+    """A loss on a tensor inside the body reaches the clipping override outside
+    the segment's boundary: as a segment, the override saw the two parts apart
+    even in a first order (before session 38 all 12 entries off, by up to 11x)."""
+    class AddsLoss(keras.layers.Layer):
+        def build(self, shape):
+            self.w = self.add_weight(shape=(shape[-1], 4), initializer="glorot_uniform")
+
+        @recompute_grad
+        def call(self, x):
+            h = tf.tanh(_clipped_gradient(x @ self.w))
+            self.add_loss(tf.reduce_sum(_clipped_gradient(h) ** 2))
+            return h
+
+    layer = AddsLoss()
+    layer.build((3, 4))
+
+    def first_order(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = tf.reduce_sum(layer(x) ** 2) * 0.2 + tf.add_n(layer.losses)
+        return tape.gradient(y, [x, layer.w])
+
+    x = tf.constant(np.random.RandomState(0).randn(3, 4).astype(np.float32))
+    stock = tf.function(first_order)(x)
+    monkeypatch.setattr(layer_decorator, "_ENV_ON", True)
+    ours = tf.function(first_order)(x)
+    for got, want in zip(ours, stock):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-6)

@@ -75,8 +75,9 @@ def recompute_enabled() -> bool:
     return _ENV_ON or patching.active_checkpoints() is not None
 
 
-# Decorated calls being built on this thread. Inside one, nested decorated
-# layers build plainly: the outer segment recomputes them anyway.
+# Decorated calls being built on this thread (`depth`). Inside one, nested
+# decorated layers build plainly, as the outer segment recomputes them anyway
+# (their class names: `inner`).
 _building = threading.local()
 _logged = set()  # messages logged once per process
 
@@ -113,7 +114,10 @@ def recompute_grad(call: Callable) -> Callable:
                 f"@recompute_grad decorates the call method of a keras.layers.Layer "
                 f"subclass (Keras 3, or tf_keras's), but {call.__qualname__} was called "
                 f"on a {type(self).__name__}; subclass keras.layers.Layer")
-        if not recompute_enabled() or getattr(_building, "depth", 0) or _builds_plainly(self):
+        if recompute_enabled() and getattr(_building, "depth", 0):
+            _building.inner.add(type(self).__name__)  # the outer segment recomputes it
+            return call(self, *args, **kwargs)
+        if not recompute_enabled() or _builds_plainly(self):
             return call(self, *args, **kwargs)
         return _call_as_segment(call, self, args, kwargs)
 
@@ -199,22 +203,24 @@ def _call_as_segment(call: Callable, layer: keras.layers.Layer, args: tuple,
         call_args, call_kwargs = tf.nest.pack_sequence_as((args, kwargs), filled)
         graph = tf.compat.v1.get_default_graph()
         first_op = len(graph.get_operations())
-        _building.depth = getattr(_building, "depth", 0) + 1
+        _building.depth, _building.inner = getattr(_building, "depth", 0) + 1, set()
         try:
             outputs = call(layer, *call_args, **call_kwargs)
         finally:
             _building.depth -= 1
         body_ops = graph.get_operations()[first_op:]  # in creation order
-        body.append(outputs)
+        body.append((outputs, sorted(_building.inner)))
         body_linear.append(gradient_linearity.overrides_linear(
             body_ops, lambda op: gradient_reads.gradient_reads(op).linear))
-        components = tf.nest.flatten(outputs, expand_composites=True)
-        if len(components) != len(tf.nest.flatten(outputs)):
+        if not all(map(_is_differentiable_input, tf.nest.flatten(outputs))):
             # tf.custom_gradient passes a RaggedTensor or SparseTensor through
-            # without a gradient: it gets their float components, packed again
-            # below with the others (indices, shapes) as the body made them.
-            composite.append(outputs)
-            outputs = [t for t in components if t.dtype.is_floating]
+            # without a gradient, and refuses None or Python values: only the
+            # float tensors (a composite's components among them) pass; the
+            # rest (indices, shapes, ints, None) is packed again below as the
+            # body made it.
+            packed.append(outputs)
+            outputs = [t for t in tf.nest.flatten(outputs, expand_composites=True)
+                       if _is_differentiable_input(t)]
 
         def gradient(*output_grads, variables: Optional[list] = None):
             grads = _recomputed_gradients(graph, outputs, body_ops, inputs, variables or [],
@@ -224,7 +230,7 @@ def _call_as_segment(call: Callable, layer: keras.layers.Layer, args: tuple,
 
         return outputs, gradient
 
-    body, body_linear, composite = [], [], []
+    body, body_linear, packed = [], [], []
     results = segment(*[leaves[i] for i in slots])
     if not all(body_linear):
         # A second order through the boundary would reach the override in two
@@ -232,20 +238,25 @@ def _call_as_segment(call: Callable, layer: keras.layers.Layer, args: tuple,
         # gradient) and apply it to each: clip(a) + clip(b), not clip(a + b).
         # The body's own outputs bypass the boundary, left unread; the
         # rewrite outside keeps such overrides' ops (stock gradients there).
-        _log_once(f"{type(layer).__name__}: its call holds a gradient override that is not "
-                  f"linear in the incoming gradient (a clipping tf.custom_gradient?), so "
-                  f"it is not a recomputed segment (a second order through one would "
-                  f"be wrong); TensorFlow differentiates it as it is")
-        return body[0]
+        outputs, inner = body[0]
+        name = type(layer).__name__
+        inside = (f", nor are the @recompute_grad layers it calls ({', '.join(inner)}), "
+                  f"which build plainly inside it: decorate those instead of {name}"
+                  if inner else "")
+        _log_once(f"{name}: its call holds a gradient override that is not linear in the "
+                  f"incoming gradient (a clipping tf.custom_gradient?), so it is not a "
+                  f"recomputed segment (a second order through one would be wrong); "
+                  f"TensorFlow differentiates it as it is{inside}")
+        return outputs
     # Its gradient is our rewrite's through the body: linear where the body's
     # overrides are, so the segment may be recomputed (the probe cannot build
     # it off its graph).
     gradient_linearity.declare_linear(results)
-    if composite:
+    if packed:
         floats = iter(results)
-        parts = [next(floats) if t.dtype.is_floating else t
-                 for t in tf.nest.flatten(composite[0], expand_composites=True)]
-        results = tf.nest.pack_sequence_as(composite[0], parts, expand_composites=True)
+        parts = [next(floats) if _is_differentiable_input(t) else t
+                 for t in tf.nest.flatten(packed[0], expand_composites=True)]
+        results = tf.nest.pack_sequence_as(packed[0], parts, expand_composites=True)
     return results
 
 
