@@ -439,22 +439,27 @@ def test_a_layer_returning_a_ragged_tensor_gets_its_gradient():
             return tf.RaggedTensor.from_tensor(tf.tanh(x) * 2.0, lengths=[2, 1, 3])
 
     layer = Ragged()
+    x = tf.constant(np.random.RandomState(0).randn(3, 4).astype(np.float32))
+    [ours], [stock] = _taped_gradients(lambda x: tf.reduce_sum(layer(x).flat_values ** 2), x)
+    np.testing.assert_allclose(ours.numpy(), stock.numpy(), rtol=1e-6)
+    assert np.abs(stock.numpy()).sum() > 0
 
+
+def _taped_gradients(loss, x, sources=lambda x: [x]):
+    """(ours, stock): the tape's gradients of `loss(x)` for `sources(x)` in a
+    tf.function traced under `checkpointing()`, and in one traced without."""
     def make_step():
         @tf.function
         def step(x):
             with tf.GradientTape() as tape:
                 tape.watch(x)
-                y = tf.reduce_sum(layer(x).flat_values ** 2)
-            return tape.gradient(y, x)
+                y = loss(x)
+            return tape.gradient(y, sources(x))
         return step
 
-    x = tf.constant(np.random.RandomState(0).randn(3, 4).astype(np.float32))
     with msg.checkpointing():
         ours = make_step()(x)
-    stock = make_step()(x)
-    np.testing.assert_allclose(ours.numpy(), stock.numpy(), rtol=1e-6)
-    assert np.abs(stock.numpy()).sum() > 0
+    return ours, make_step()(x)
 
 
 def test_a_layer_returning_a_sparse_tensor_keeps_its_static_shape():
@@ -467,21 +472,14 @@ def test_a_layer_returning_a_sparse_tensor_keeps_its_static_shape():
 
     layer, dense = Sparse(), keras.layers.Dense(1)
 
-    def make_step():
-        @tf.function
-        def step(x):
-            with tf.GradientTape() as tape:
-                tape.watch(x)
-                out = layer(x)
-                assert out.shape.as_list() == [8, 4]
-                y = tf.reduce_sum(dense(tf.sparse.to_dense(out)) ** 2)
-            return tape.gradient(y, x)
-        return step
+    def loss(x):
+        out = layer(x)
+        assert out.shape.as_list() == [8, 4]
+        return tf.reduce_sum(dense(tf.sparse.to_dense(out)) ** 2)
 
     x = tf.constant(np.random.RandomState(0).randn(8, 4).astype(np.float32))
-    with msg.checkpointing():
-        ours = make_step()(x)
-    np.testing.assert_allclose(ours.numpy(), make_step()(x).numpy(), rtol=1e-6)
+    [ours], [stock] = _taped_gradients(loss, x)
+    np.testing.assert_allclose(ours.numpy(), stock.numpy(), rtol=1e-6)
 
 
 @pytest.mark.parametrize("switch", ["RECOMPUTE", "checkpointing"])
@@ -622,22 +620,14 @@ def test_outputs_holding_none_python_values_or_ints_pass_through(extra, count_se
     layer = Pair()
     layer.build((3, 4))
 
-    def make_step():
-        @tf.function
-        def step(x):
-            with tf.GradientTape() as tape:
-                tape.watch(x)
-                out = layer(x)
-                assert (out["extra"].dtype == tf.int64 if extra == "int tensor"
-                        else out["extra"] == extra)
-                y = tf.reduce_sum(out["h"] ** 2)
-            return tape.gradient(y, [x, layer.w])
-        return step
+    def loss(x):
+        out = layer(x)
+        assert (out["extra"].dtype == tf.int64 if extra == "int tensor"
+                else out["extra"] == extra)
+        return tf.reduce_sum(out["h"] ** 2)
 
     x = tf.constant(np.random.RandomState(0).randn(3, 4).astype(np.float32))
-    stock = make_step()(x)
-    with msg.checkpointing():
-        ours = make_step()(x)
+    ours, stock = _taped_gradients(loss, x, lambda x: [x, layer.w])
     for got, want in zip(ours, stock):
         np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-6, atol=1e-7)
     assert len(count_segments) == 1
