@@ -240,8 +240,9 @@ def _call_as_segment(call: Callable, layer: keras.layers.Layer, args: tuple,
         # rewrite outside keeps such overrides' ops (stock gradients there).
         outputs, inner = body[0]
         name = type(layer).__name__
-        inside = (f", nor are the @recompute_grad layers it calls ({', '.join(inner)}), "
-                  f"which build plainly inside it: decorate those instead of {name}"
+        inside = (f"; the @recompute_grad layers it calls ({', '.join(inner)}) built "
+                  f"plainly inside it, so none of them is a segment either: to recompute "
+                  f"those that hold no such override, leave {name} undecorated"
                   if inner else "")
         _log_once(f"{name}: its call holds a gradient override that is not linear in the "
                   f"incoming gradient (a clipping tf.custom_gradient?), so it is not a "
@@ -252,6 +253,10 @@ def _call_as_segment(call: Callable, layer: keras.layers.Layer, args: tuple,
     # overrides are, so the segment may be recomputed (the probe cannot build
     # it off its graph).
     gradient_linearity.declare_linear(results)
+    made = tf.nest.flatten(body[0][0], expand_composites=True)
+    for before, after in zip([t for t in made if _is_differentiable_input(t)],
+                             tf.nest.flatten(results)):
+        compat.copy_keras_mask(before, after)  # Keras set it on the body's outputs
     if packed:
         floats = iter(results)
         parts = [next(floats) if _is_differentiable_input(t) else t

@@ -439,6 +439,14 @@ def in_save_context() -> bool:
 TAPE_PUSH, TAPE_POP = "_push_tape", "_pop_tape"
 
 
+def copy_keras_mask(source: tf.Tensor, target: tf.Tensor) -> None:
+    """Gives `target` the Keras mask `source` carries, if any (the private
+    attribute where Keras 3 and tf_keras keep a layer output's mask)."""
+    mask = getattr(source, "_keras_mask", None)
+    if mask is not None:
+        target._keras_mask = mask  # pylint: disable=protected-access
+
+
 def tape_is_spent(tape: tf.GradientTape) -> bool:
     """True for a non-persistent tape whose gradient was taken already."""
     return tape._tape is None  # pylint: disable=protected-access
