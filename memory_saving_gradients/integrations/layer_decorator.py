@@ -212,15 +212,13 @@ def _call_as_segment(call: Callable, layer: keras.layers.Layer, args: tuple,
         body.append((outputs, sorted(_building.inner)))
         body_linear.append(gradient_linearity.overrides_linear(
             body_ops, lambda op: gradient_reads.gradient_reads(op).linear))
-        if not all(map(_is_differentiable_input, tf.nest.flatten(outputs))):
-            # tf.custom_gradient passes a RaggedTensor or SparseTensor through
-            # without a gradient, and refuses None or Python values: only the
-            # float tensors (a composite's components among them) pass; the
-            # rest (indices, shapes, ints, None) is packed again below as the
-            # body made it.
-            packed.append(outputs)
-            outputs = [t for t in tf.nest.flatten(outputs, expand_composites=True)
-                       if _is_differentiable_input(t)]
+        # tf.custom_gradient passes a RaggedTensor or SparseTensor through
+        # without a gradient, and refuses None or Python values: only the
+        # float tensors (a composite's components among them) cross it; the
+        # rest (indices, shapes, ints, None) is packed again below as the
+        # body made it.
+        outputs = [t for t in tf.nest.flatten(outputs, expand_composites=True)
+                   if _is_differentiable_input(t)]
 
         def gradient(*output_grads, variables: Optional[list] = None):
             grads = _recomputed_gradients(graph, outputs, body_ops, inputs, variables or [],
@@ -230,7 +228,7 @@ def _call_as_segment(call: Callable, layer: keras.layers.Layer, args: tuple,
 
         return outputs, gradient
 
-    body, body_linear, packed = [], [], []
+    body, body_linear = [], []
     results = segment(*[leaves[i] for i in slots])
     if not all(body_linear):
         # A second order through the boundary would reach the override in two
@@ -253,16 +251,15 @@ def _call_as_segment(call: Callable, layer: keras.layers.Layer, args: tuple,
     # overrides are, so the segment may be recomputed (the probe cannot build
     # it off its graph).
     gradient_linearity.declare_linear(results)
-    made = tf.nest.flatten(body[0][0], expand_composites=True)
-    for before, after in zip([t for t in made if _is_differentiable_input(t)],
-                             tf.nest.flatten(results)):
-        compat.copy_keras_mask(before, after)  # Keras set it on the body's outputs
-    if packed:
-        floats = iter(results)
-        parts = [next(floats) if _is_differentiable_input(t) else t
-                 for t in tf.nest.flatten(packed[0], expand_composites=True)]
-        results = tf.nest.pack_sequence_as(packed[0], parts, expand_composites=True)
-    return results
+    floats = iter(results)
+    parts = []
+    for made in tf.nest.flatten(body[0][0], expand_composites=True):
+        if _is_differentiable_input(made):
+            parts.append(next(floats))
+            compat.copy_keras_mask(made, parts[-1])  # Keras set it on the body's outputs
+        else:
+            parts.append(made)
+    return tf.nest.pack_sequence_as(body[0][0], parts, expand_composites=True)
 
 
 def _recomputed_gradients(graph, outputs, body_ops: list, inputs: tuple, variables: list,
