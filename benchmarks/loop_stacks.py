@@ -1,6 +1,7 @@
 """What loops keep for their gradient: the simulator's prediction beside the allocator's peak.
 
-    python -m benchmarks.loop_stacks [--cases scan,GRU] [--threads default,1] [--out loop_stacks]
+    python -m benchmarks.loop_stacks [--cases scan,GRU] [--threads default,1] [--calls 3]
+                                     [--out loop_stacks]
 
 Each case is one recurrence over T=64 steps (batch 32, 256 units, 64 input
 features; the nested case 8 outer x 16 inner steps, batch 256, 64 units):
@@ -10,8 +11,8 @@ tf.cond between it and a sigmoid cell ("cond"), and without
 Bidirectional layer ("bidirectional_GRU", "bidirectional_LSTM"),
 differentiated by tf.gradients and by checkpoints='memory' in one
 tf.function step. For each, in a fresh subprocess: the activation memory
-(allocator peak of the step, median of 3 calls after 2 warm-ups, minus the
-weight gradients it returns) beside `checkpoint_plan`'s prediction from the
+(allocator peak of the step, median of `--calls` calls after 2 warm-ups,
+with their least and largest, minus the weight gradients it returns) beside `checkpoint_plan`'s prediction from the
 same trace (`baseline_bytes` for tf.gradients, `peak_bytes` for the plan),
 in bytes requested (the profiler's allocator events) and in the chunks
 TensorFlow's BFC allocator counts (its statistics; the prediction's
@@ -96,7 +97,7 @@ def nested_case(outer=8, inner=16, batch=256, units=64, inner_bounded=True):
     return loss, [w], h0
 
 
-def measure(name, method, threads):
+def measure(name, method, threads, calls):
     """One row: predicted and measured activation bytes of `method` on case
     `name`, with TensorFlow's default threading or `threads` inter-op threads."""
     import numpy as np
@@ -119,36 +120,42 @@ def measure(name, method, threads):
     step(inputs)
     step(inputs)
     outputs = sum(int(np.prod(w.shape)) * tf.as_dtype(w.dtype).size for w in weights)
-    chunks = statistics.median(msg.function_peak_bytes(step, inputs)[0] for _ in range(3))
-    requested = statistics.median(profiled_allocations.requested_peak(
-        profiled_allocations.allocator_events(lambda: step(inputs))) for _ in range(3))
+    chunks = statistics.median(msg.function_peak_bytes(step, inputs)[0]
+                               for _ in range(int(calls)))
+    requested = [profiled_allocations.requested_peak(
+        profiled_allocations.allocator_events(lambda: step(inputs))) - outputs
+        for _ in range(int(calls))]
     est = found["plan"].estimate
     stock = method == "tf.gradients"
     return {"case": name, "method": method, "threads": threads,
             "predicted": int(est.baseline_bytes if stock else est.peak_bytes),
-            "measured": int(requested) - outputs,
+            "measured": int(statistics.median(requested)),
+            "measured_least": min(requested), "measured_largest": max(requested),
             "predicted_allocator": int(est.allocator_baseline_bytes if stock
                                        else est.allocator_peak_bytes),
             "measured_allocator": int(chunks) - outputs}
 
 
-def run_job(name, method, threads):
+def run_job(name, method, threads, calls):
     env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="1", TF_CPP_MIN_LOG_LEVEL="2")
     done = subprocess.run([sys.executable, "-m", "benchmarks.loop_stacks", "--job", name,
-                           method, threads], env=env, capture_output=True, text=True, timeout=600,
+                           method, threads, str(calls)], env=env, capture_output=True, text=True, timeout=600,
                           check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def table(rows):
     lines = ["| case | method | inter-op threads | bytes requested: predicted / measured MiB "
-             "(ratio) | allocator chunks: predicted / measured MiB (ratio) |",
-             "|---|---|---|---|---|"]
+             "(ratio) | measured calls: least-largest MiB "
+             "| allocator chunks: predicted / measured MiB (ratio) |",
+             "|---|---|---|---|---|---|"]
     for row in rows:
-        pairs = [(row[f"predicted{kind}"], row[f"measured{kind}"])
-                 for kind in ("", "_allocator")]
-        lines.append(f"| {row['case']} | {row['method']} | {row['threads']} | " + " | ".join(
-            f"{p / 2**20:.2f} / {m / 2**20:.2f} ({p / max(m, 1):.2f})" for p, m in pairs) + " |")
+        cells = [f"{p / 2**20:.2f} / {m / 2**20:.2f} ({p / max(m, 1):.2f})"
+                 for p, m in [(row[f"predicted{kind}"], row[f"measured{kind}"])
+                              for kind in ("", "_allocator")]]
+        spread = f"{row['measured_least'] / 2**20:.2f}-{row['measured_largest'] / 2**20:.2f}"
+        lines.append(f"| {row['case']} | {row['method']} | {row['threads']} | "
+                     + " | ".join([cells[0], spread, cells[1]]) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -157,13 +164,15 @@ def main():
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--threads", default="default",
                         help="comma-separated: 'default' and/or inter-op thread counts")
+    parser.add_argument("--calls", type=int, default=3,
+                        help="measured calls per row (after 2 warm-ups)")
     parser.add_argument("--out", default="loop_stacks")
-    parser.add_argument("--job", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--job", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.job:
         print(json.dumps(measure(*args.job)))
         return
-    rows = [run_job(name, method, threads) for name in args.cases.split(",")
+    rows = [run_job(name, method, threads, args.calls) for name in args.cases.split(",")
             for method in METHODS for threads in args.threads.split(",")]
     with open(RESULTS / f"{args.out}.jsonl", "w") as out:
         out.writelines(json.dumps(row) + "\n" for row in rows)
