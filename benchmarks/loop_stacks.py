@@ -12,11 +12,11 @@ Bidirectional layer ("bidirectional_GRU", "bidirectional_LSTM"),
 differentiated by tf.gradients and by checkpoints='memory' in one
 tf.function step. For each, in a fresh subprocess: the activation memory
 (allocator peak of the step, median of `--calls` calls after 2 warm-ups,
-with their least and largest, minus the weight gradients it returns) beside `checkpoint_plan`'s prediction from the
-same trace (`baseline_bytes` for tf.gradients, `peak_bytes` for the plan),
-in bytes requested (the profiler's allocator events) and in the chunks
-TensorFlow's BFC allocator counts (its statistics; the prediction's
-`allocator_*` fields). Results go to results/<out>.{jsonl,md}.
+with their least and largest, minus the weight gradients it returns) beside
+`checkpoint_plan`'s prediction from the same trace (`baseline_bytes` for
+tf.gradients, `peak_bytes` for the plan), in bytes requested (the profiler's
+allocator events) and in the chunks TensorFlow's BFC allocator counts (its
+statistics; the prediction's `allocator_*` fields). Results go to results/<out>.{jsonl,md}.
 """
 
 import argparse
@@ -120,11 +120,11 @@ def measure(name, method, threads, calls):
     step(inputs)
     step(inputs)
     outputs = sum(int(np.prod(w.shape)) * tf.as_dtype(w.dtype).size for w in weights)
-    chunks = statistics.median(msg.function_peak_bytes(step, inputs)[0]
-                               for _ in range(int(calls)))
+    calls = int(calls)  # a string from the --job command line
+    chunks = statistics.median(msg.function_peak_bytes(step, inputs)[0] for _ in range(calls))
     requested = [profiled_allocations.requested_peak(
         profiled_allocations.allocator_events(lambda: step(inputs))) - outputs
-        for _ in range(int(calls))]
+        for _ in range(calls)]
     est = found["plan"].estimate
     stock = method == "tf.gradients"
     return {"case": name, "method": method, "threads": threads,
@@ -139,8 +139,8 @@ def measure(name, method, threads, calls):
 def run_job(name, method, threads, calls):
     env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="1", TF_CPP_MIN_LOG_LEVEL="2")
     done = subprocess.run([sys.executable, "-m", "benchmarks.loop_stacks", "--job", name,
-                           method, threads, str(calls)], env=env, capture_output=True, text=True, timeout=600,
-                          check=True)
+                           method, threads, str(calls)], env=env, capture_output=True, text=True,
+                          timeout=600, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
