@@ -48,7 +48,8 @@ def chunk_size(monkeypatch):
 
 def _lstm_like(ctx, x, bounded=True):
     """A hand-written RNN: two carried states, a TensorArray of outputs, weights
-    read in the body; bounded by maximum_iterations (as Keras and tf.scan do)."""
+    read in the body; bounded by maximum_iterations (as Keras and tf.scan do),
+    else only by its condition `t < steps` (as AutoGraph's loops are)."""
     steps = x.shape[1]
     w = ctx.variable("w", _normal((3, 5), 0.5, seed=1))
     u = ctx.variable("u", _normal((5, 5), 0.4, seed=2))
@@ -67,29 +68,45 @@ def _lstm_like(ctx, x, bounded=True):
     return Model(ys=[y], xs=[x, w, u])
 
 
+@pytest.mark.parametrize("bounded", [True, False])
 @pytest.mark.parametrize("steps,size,chunked", [
     (6, 2, 2),   # 3 chunks, the last differentiated by the stock gradient
     (7, 3, 2),   # 3 + 3 + 1: the size does not divide T
     (1, 1, 0),   # one iteration: nothing to split
 ])
-def test_hand_written_rnn_matches_stock(runtime, chunk_size, steps, size, chunked):
+def test_hand_written_rnn_matches_stock(runtime, chunk_size, steps, size, chunked, bounded):
+    if runtime == "xla" and not bounded:
+        pytest.skip("tf.gradients cannot differentiate a loop without maximum_iterations "
+                    "under XLA (ours can: test_autograph_loops_are_chunked_under_xla)")
     chunk_size(size)
-    outcome = gradients_vs_stock(runtime, _lstm_like, {"x": _normal((2, steps, 3))},
-                                 modes=("memory",))
+    outcome = gradients_vs_stock(runtime, lambda ctx, x: _lstm_like(ctx, x, bounded),
+                                 {"x": _normal((2, steps, 3))}, modes=("memory",))
     assert_matches_stock(outcome)
     assert len(_chunk_loops(outcome.graph)) == _kept_in_a_session(runtime, chunked)
 
 
-def test_loop_stopped_early_by_its_condition(chunk_size):
+# The loop's bound: 9 iterations, given as maximum_iterations or counted from
+# its condition (a counter from `start` by `step` below `limit`).
+_NINE_ITERATIONS = {"maximum_iterations": (0, 1, None, 9),
+                    "condition t < 9": (0, 1, 9, None),
+                    "condition t < 21, from 3 by 2": (3, 2, 21, None)}
+
+
+@pytest.mark.parametrize("bound", sorted(_NINE_ITERATIONS))
+def test_loop_stopped_early_by_its_condition(chunk_size, bound):
     """The condition ends the loop before its bound: the chunks run exactly the
     iterations the original ran (the later ones none)."""
     chunk_size(2)
+    start, step, limit, maximum = _NINE_ITERATIONS[bound]
+
+    def cond(t, h):
+        early = tf.reduce_sum(h) < 40.0
+        return early if limit is None else tf.logical_and(t < limit, early)
 
     def build(ctx, x):
         w = ctx.variable("w", _normal((4, 4), 0.5, seed=3))
-        _, h = tf.while_loop(lambda t, h: tf.reduce_sum(h) < 40.0,
-                             lambda t, h: (t + 1, h + tf.exp(tf.matmul(h, w) * 0.1)),
-                             [tf.constant(0), x], maximum_iterations=9)
+        _, h = tf.while_loop(cond, lambda t, h: (t + step, h + tf.exp(tf.matmul(h, w) * 0.1)),
+                             [tf.constant(start), x], maximum_iterations=maximum)
         return Model(ys=[tf.reduce_sum(tf.sin(h))], xs=[x, w])
 
     outcome = gradients_vs_stock("function", build, {"x": _normal((2, 4), 0.1)},
@@ -98,15 +115,99 @@ def test_loop_stopped_early_by_its_condition(chunk_size):
     assert len(_chunk_loops(outcome.graph)) == 4
 
 
-def test_unbounded_loop_is_rerun_whole_and_says_why(chunk_size, caplog):
+def test_loop_without_a_known_trip_count_is_rerun_whole_and_says_why(chunk_size, caplog):
+    """No maximum_iterations, and a condition on the data only."""
     chunk_size(2)
+
+    def build(ctx, x):
+        w = ctx.variable("w", _normal((4, 4), 0.5, seed=3))
+        _, h = tf.while_loop(lambda t, h: tf.reduce_sum(h) < 40.0,
+                             lambda t, h: (t + 1, h + tf.exp(tf.matmul(h, w) * 0.1)),
+                             [tf.constant(0), x])
+        return Model(ys=[tf.reduce_sum(tf.sin(h))], xs=[x, w])
+
     with caplog.at_level(logging.INFO, logger="memory_saving_gradients"):
-        outcome = gradients_vs_stock(
-            "function", lambda ctx, x: _lstm_like(ctx, x, bounded=False),
-            {"x": _normal((2, 6, 3))}, modes=("memory",))
+        outcome = gradients_vs_stock("function", build, {"x": _normal((2, 4), 0.1)},
+                                     modes=("memory",))
     assert_matches_stock(outcome)
     assert not _chunk_loops(outcome.graph)
     assert "trip count is not known" in caplog.text
+
+
+def _autograph_loops(x, w, dynamic_list=True):
+    """Loops as AutoGraph writes them from Python (in a tf.function with
+    autograph on): none has maximum_iterations; each condition counts."""
+    h = x[:, 0]
+    for t in tf.range(x.shape[1]):
+        h = tf.tanh(tf.matmul(h, w) + x[:, t])
+    for xt in tf.transpose(x, [1, 0, 2]):  # iterating over a tensor
+        h = tf.sin(tf.matmul(h, w)) + xt
+    for _ in tf.range(2, 20, 3):  # 6 iterations
+        h = tf.tanh(tf.matmul(h, w))
+    t = tf.constant(0)
+    while t < 7:
+        h = tf.tanh(tf.matmul(h, w)) * 1.5
+        t += 1
+    loss = tf.reduce_sum(tf.square(h))
+    if dynamic_list:  # a dynamic-size TensorArray: resized, so rerun as a chain
+        written = tf.TensorArray(tf.float32, size=0, dynamic_size=True)
+        for t in tf.range(5):
+            h = tf.tanh(tf.matmul(h, w))
+            written = written.write(t, h)
+        loss += tf.reduce_sum(tf.square(written.stack()))
+    return loss
+
+
+def test_autograph_loops_are_chunked(chunk_size):
+    """AutoGraph's `for t in tf.range(n)`, `for x_t in tensor` and `while t < n`
+    loops carry no maximum_iterations; their conditions bound them, so they
+    are chunked too, and the forward loops compute what they did."""
+    chunk_size(2)
+    w = tf.Variable(_normal((4, 4), 0.6, seed=6))
+    x = tf.constant(_normal((3, 6, 4), 0.5))
+
+    def build(x):
+        loss = _autograph_loops(x, w)
+        loops_ = [op for op in loss.graph.get_operations()
+                  if op.type in ("While", "StatelessWhile")]
+        assert [loop_chunks.trip_bound(op) for op in loops_] == [None] * 5
+        assert [loop_chunks.trip_count(op) for op in loops_] == [6, 6, 6, 7, 5]
+        return loss, [x, w], loops_
+
+    def ours(loss, xs, loops_):
+        with loop_chunks.chunked_gradients(loops_):
+            return stock_gradients(loss, xs)
+
+    graph = _ours_alone_vs_stock(build, [x], gradients=ours, autograph=True)
+    recorded, reruns = _loop_runs(graph)
+    assert recorded == 4  # the dynamic TensorArray's loop is rerun as a chain
+    assert reruns == 6 + 6 + 6 + 7 + (5 + 4)
+
+
+@pytest.mark.slow
+def test_autograph_loops_are_chunked_under_xla(chunk_size):
+    """Under XLA, tf.gradients cannot differentiate a loop without
+    maximum_iterations (its stacks need a fixed size); its chunks have one."""
+    chunk_size(2)
+    w = tf.Variable(_normal((4, 4), 0.6, seed=6))
+    x = tf.constant(_normal((3, 6, 4), 0.5))
+
+    def step(gradients, jit):
+        def run(x):
+            loss = _autograph_loops(x, w, dynamic_list=False)
+            loops_ = [op for op in loss.graph.get_operations()
+                      if op.type in ("While", "StatelessWhile")]
+            with loop_chunks.chunked_gradients(loops_ if gradients == "ours" else []):
+                return loss, stock_gradients(loss, [x, w])
+        return tf.function(run, jit_compile=jit)
+
+    with pytest.raises(tf.errors.InvalidArgumentError, match="maximum_iteration"):
+        step("stock", jit=True)(x)
+    (ours_loss, ours_grads), (stock_loss, stock_grads) = step("ours", True)(x), step(
+        "stock", False)(x)
+    np.testing.assert_allclose(ours_loss, stock_loss, rtol=1e-5)
+    for mine, theirs in zip(ours_grads, stock_grads):
+        np.testing.assert_allclose(mine, theirs, rtol=1e-4, atol=1e-5)
 
 
 def test_scan(runtime, chunk_size):
@@ -145,9 +246,11 @@ def test_keras_recurrent_layers(chunk_size):
     assert len(_chunk_loops(outcome.graph)) == 2 * len(layers)  # 3 + 3 + 1 steps each
 
 
-def test_long_loop_keeps_a_fraction_of_stock_memory():
+@pytest.mark.parametrize("bounded", [True, False])
+def test_long_loop_keeps_a_fraction_of_stock_memory(bounded):
     """T = 400 steps of a [16, 256] state: tf.gradients keeps every step's
-    intermediates; chunks of 20 keep 20 states and one chunk's intermediates."""
+    intermediates; chunks of 20 keep 20 states and one chunk's intermediates.
+    The same where only the loop's condition bounds it."""
     steps, batch, units = 400, 16, 256
     w = tf.Variable(_normal((units, units), 1.0 / np.sqrt(units), seed=5))
     x = tf.constant(_normal((batch, units), 0.5))
@@ -156,7 +259,7 @@ def test_long_loop_keeps_a_fraction_of_stock_memory():
         _, h = tf.while_loop(
             lambda t, h: t < steps,
             lambda t, h: (t + 1, tf.tanh(tf.matmul(h, w)) * tf.sigmoid(h) + 0.5 * h),
-            [tf.constant(0), x], maximum_iterations=steps)
+            [tf.constant(0), x], maximum_iterations=steps if bounded else None)
         return tf.reduce_sum(tf.square(h))
 
     @tf.function
@@ -184,15 +287,20 @@ def test_checkpoint_plan_shows_each_loops_chunk_size():
     def step(x):  # in a tf.function: loops reading variables may be rerun
         bounded = tf.while_loop(lambda t, h: t < 100, lambda t, h: (t + 1, tf.tanh(h @ w)),
                                 [0, x], maximum_iterations=100, name="bounded")[1]
-        unbounded = tf.while_loop(lambda t, h: t < 100, lambda t, h: (t + 1, tf.tanh(h @ w)),
-                                  [0, bounded], name="unbounded")[1]
+        counted = tf.while_loop(lambda t, h: t < 100, lambda t, h: (t + 1, tf.tanh(h @ w)),
+                                [0, bounded], name="counted")[1]
+        unbounded = tf.while_loop(lambda t, h: tf.reduce_sum(h) < 1e6,
+                                  lambda t, h: (t + 1, tf.tanh(h @ w) + h),
+                                  [0, counted], name="unbounded")[1]
         plans.append(msg.checkpoint_plan(tf.reduce_sum(unbounded), [w]))
         return unbounded
 
     step.get_concrete_function(tf.TensorSpec([2, 4]))
     plan = plans[0]
     notes = "\n".join(plan.notes)
-    assert "loop bounded: rerun in chunks of 10 of its at most 100" in notes
+    assert "loop bounded: rerun in chunks of 10 of its at most 100 iterations\n" in notes
+    assert ("loop counted: rerun in chunks of 10 of its at most 100 iterations (counted from "
+            "its condition)") in notes
     assert "loop unbounded: rerun whole: its trip count is not known" in notes
 
 
@@ -211,26 +319,30 @@ def test_chunk_size_balances_saved_states_and_one_chunk():
 # the forward loop carry while_v2's accumulators: then it is rerun as a chain
 # (tested above). Below, ours is built alone in its tf.function.
 
-def _ours_alone_vs_stock(build, args, in_place=False, jit=False):
+def _ours_alone_vs_stock(build, args, in_place=False, jit=False, gradients=None,
+                         autograph=False, stock_jit=None):
     """`build(*args) -> (loss, xs, a loop output)` differentiated by ours
     (checkpoints='memory', or with `in_place` by tf.gradients within
-    `chunked_gradients` as the rewrite does for a loop it does not copy) and
-    by stock, in two tf.functions; asserts equal losses (the recorded forward
-    computes what it did) and gradients. Returns ours' graph."""
+    `chunked_gradients` as the rewrite does for a loop it does not copy; or
+    `gradients(loss, xs, what build returned third)`) and by stock, in two
+    tf.functions (stock's compiled as `stock_jit`, by default as ours);
+    asserts equal losses (the recorded forward computes what it did) and
+    gradients. Returns ours' graph."""
     def ours_gradients(loss, xs, loop_output):
         if not in_place:
             return msg.gradients(loss, xs, checkpoints="memory")
         with loop_chunks.chunked_gradients([loop_output.op]):
             return stock_gradients(loss, xs)
 
-    def step(gradients):
+    def step(gradients, compiled):
         def run(*inputs):
             loss, xs, loop_output = build(*inputs)
             return loss, gradients(loss, xs, loop_output)
-        return tf.function(run, autograph=False, jit_compile=jit)
+        return tf.function(run, autograph=autograph, jit_compile=compiled)
 
-    ours = step(ours_gradients)
-    stock = step(lambda loss, xs, loop_output: stock_gradients(loss, xs))
+    ours = step(gradients or ours_gradients, jit)
+    stock = step(lambda loss, xs, loop_output: stock_gradients(loss, xs),
+                 jit if stock_jit is None else stock_jit)
     (ours_loss, ours_grads), (stock_loss, stock_grads) = ours(*args), stock(*args)
     np.testing.assert_allclose(ours_loss, stock_loss, rtol=1e-6)
     for mine, theirs in zip(ours_grads, stock_grads):
@@ -252,10 +364,12 @@ def _loop_runs(graph):
 
 class _Rnn:
     """A hand-written RNN: carried int t, h, c, a TensorArray of `written`
-    elements; weights read in the body (variables made once)."""
+    elements; weights read in the body (variables made once); bounded by
+    maximum_iterations, or by its condition alone."""
 
-    def __init__(self, written):
+    def __init__(self, written, bounded=True):
         self.written = written
+        self.bounded = bounded
         self.w = tf.Variable(_normal((3, 5), 0.5, seed=1))
         self.u = tf.Variable(_normal((5, 5), 0.4, seed=2))
 
@@ -270,31 +384,36 @@ class _Rnn:
         zeros = tf.zeros([x.shape[0], 5])
         loop = tf.while_loop(lambda t, *_: t < steps, body,
                              [tf.constant(0), zeros, zeros, tf.TensorArray(tf.float32, written)],
-                             maximum_iterations=steps)
+                             maximum_iterations=steps if self.bounded else None)
         t, h, c, outs = loop
         loss = tf.reduce_sum(tf.square(outs.stack())) + tf.reduce_sum(h * c)
         return loss, [x, self.w, self.u], h
 
 
-@pytest.mark.parametrize("steps,size,jit", [
-    (7, 3, False), (6, 2, False), pytest.param(7, 3, True, marks=pytest.mark.slow)])
-def test_in_place_loop_reruns_each_chunk_once(chunk_size, steps, size, jit):
+@pytest.mark.parametrize("steps,size,jit,bounded", [
+    (7, 3, False, True), (6, 2, False, True), (7, 3, False, False),
+    pytest.param(7, 3, True, True, marks=pytest.mark.slow),
+    pytest.param(7, 3, True, False, marks=pytest.mark.slow)])
+def test_in_place_loop_reruns_each_chunk_once(chunk_size, steps, size, jit, bounded):
     """Differentiated in place: the forward loop saves its chunk states and
     the reruns run T iterations in all, not 2T as from a chain of chunks."""
     chunk_size(size)
-    graph = _ours_alone_vs_stock(_Rnn(steps), [tf.constant(_normal((2, steps, 3)))],
-                                 in_place=True, jit=jit)
+    # Under XLA tf.gradients cannot differentiate a loop without maximum_iterations.
+    graph = _ours_alone_vs_stock(_Rnn(steps, bounded), [tf.constant(_normal((2, steps, 3)))],
+                                 in_place=True, jit=jit, stock_jit=jit and bounded)
     assert _loop_runs(graph) == (1, steps)
 
 
+@pytest.mark.parametrize("bounded", [True, False])
 @pytest.mark.parametrize("jit", [False, pytest.param(True, marks=pytest.mark.slow)])
-def test_copied_loop_uses_the_forward_states(chunk_size, jit):
+def test_copied_loop_uses_the_forward_states(chunk_size, jit, bounded):
     """Recomputed by the plan: its outputs (a final state, a one-element
     TensorArray as Keras' return_sequences=False writes) come from the
     forward pass and its gradient reruns each chunk once. Under XLA its
     TensorLists keep it a chain (same gradients)."""
     chunk_size(3)
-    graph = _ours_alone_vs_stock(_Rnn(1), [tf.constant(_normal((2, 7, 3)))], jit=jit)
+    graph = _ours_alone_vs_stock(_Rnn(1, bounded), [tf.constant(_normal((2, 7, 3)))], jit=jit,
+                                 stock_jit=jit and bounded)
     assert _loop_runs(graph) == ((1, 7) if not jit else (0, 7 + 6))
 
 

@@ -62,14 +62,19 @@ def test_loop_facts_from_the_stock_gradient():
     assert found["outputs"][0] == found["outputs"][1]  # the probe left the loop alone
 
 
-def test_loop_without_bound_counts_what_its_condition_allows_and_is_not_chunked():
+def test_loop_without_bound_counts_what_its_condition_allows_and_is_chunked():
     # `i < STEPS` from 0 by 1: STEPS iterations. Without maximum_iterations
-    # the loop's condition does not stop a chunk, so it is not chunked.
+    # its chunks stop at a bound our rewrite adds to its condition.
     found = _plan_of_loop(None)
     loop = found["plan"].model.loops[found["name"]]
-    assert loop.trip_count == STEPS and loop.chunk_size is None
+    assert loop.trip_count == STEPS and loop.chunk_size is not None
+    assert (f"chunks of {loop.chunk_size} of its at most {STEPS} iterations (counted from its "
+            f"condition)") in str(found["plan"])
     assert loop.iteration_bytes >= STEP_BYTES
-    assert found["plan"].estimate.baseline_bytes >= STEPS * loop.iteration_bytes
+    est = found["plan"].estimate
+    assert est.baseline_bytes >= STEPS * loop.iteration_bytes
+    assert est.peak_bytes - loop.invariant_bytes < est.baseline_bytes / 3
+    assert found["outputs"][0] == found["outputs"][1]  # the probe left the loop alone
 
 
 def test_trip_counts_a_condition_implies():

@@ -336,6 +336,13 @@ def add_loop_outputs(loop: tf.Operation, cond_graph, body_graph, new_inputs: lis
     loop._cond_graph, loop._body_graph = cond_graph, body_graph  # read by while_v2
 
 
+def set_loop_condition(loop: tf.Operation, cond_graph) -> None:
+    """Gives v2 While `loop` the condition function `cond_graph` (same inputs)."""
+    # pylint: disable=protected-access
+    loop._set_func_attr("cond", control_flow_util_v2.create_new_tf_function(cond_graph))
+    loop._cond_graph = cond_graph  # read by while_v2
+
+
 def differentiated_by_stock(loop: tf.Operation) -> bool:
     """True if while_v2's gradient made `loop` output accumulators (it renames
     the functions it rewrites so)."""

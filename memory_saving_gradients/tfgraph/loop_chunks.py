@@ -26,8 +26,14 @@ condition is `counter < maximum_iterations and cond(state)` when the loop was
 built with `maximum_iterations`. So a chunk stops after k iterations or where
 the original loop stopped, whichever is first; the chunks together run
 exactly the original iterations even when the condition stops the loop early.
-A loop built without `maximum_iterations` (or with one not known when the
-gradient is built) has no such bound in its condition: it is rerun whole.
+
+A loop built without `maximum_iterations` (while_v2 passes -1; AutoGraph's
+`for i in tf.range(n)` and `while i < n` loops are built so) has no such test.
+When its condition bounds it all the same (`condition_trips`: `i < n` with
+`n` known now) it is chunked too: its condition is first made to test the
+counter against a `maximum_iterations` input that is not negative
+(`_stop_at_bound`), which leaves the forward loop's run as it was. Without a
+bound known when the gradient is built it is rerun whole.
 """
 
 import contextlib
@@ -180,21 +186,40 @@ def _float_bytes(tensors):
 def chunking(loop: tf.Operation) -> Tuple[Optional[int], str]:
     """(chunk size, what is done and why) for rerunnable `loop`; a size of
     None means the loop is rerun whole."""
-    bound = trip_bound(loop)
+    bound = trip_count(loop)
     if bound is None:
         return None, ("rerun whole: its trip count is not known when the gradient is "
-                      "built (no static maximum_iterations)")
+                      "built (no static maximum_iterations, and its condition compares "
+                      "no counter with a limit known now)")
     size = min(choose_chunk_size(loop, bound), bound)
     if size >= bound:
         return None, f"rerun whole: at most {bound} iteration(s), one chunk"
-    return size, f"rerun in chunks of {size} of its at most {bound} iterations"
+    counted = "" if trip_bound(loop) is not None else " (counted from its condition)"
+    return size, f"rerun in chunks of {size} of its at most {bound} iterations{counted}"
+
+
+def _stop_at_bound(loop: tf.Operation) -> None:
+    """Makes the condition of a loop built without `maximum_iterations` stop
+    at its counter's bound too, where that bound (input 1) is not negative:
+    the forward loop's own -1 changes nothing, and a chunk's copy given k
+    stops after k iterations. Once per loop; before its states are recorded,
+    so the recording's and the chunks' attributes carry it."""
+    if trip_bound(loop) is not None or getattr(loop, "_memory_saving_stops_at_bound", False):
+        return
+    cond = loop_recording.fresh_function(loop, "cond")
+    with cond.as_default():
+        counter, limit = cond.inputs[_COUNTER], cond.inputs[_BOUND]
+        within = tf.logical_or(tf.less(limit, 0), tf.less(counter, limit))
+        cond.outputs[0] = tf.logical_and(within, cond.outputs[0])
+    compat.set_loop_condition(loop, cond)
+    loop._memory_saving_stops_at_bound = True  # pylint: disable=protected-access
 
 
 def saves_states(loop: tf.Operation, size: int) -> Tuple[bool, bool]:
     """Whether `loop`'s forward run saves its chunk boundaries when it is
     differentiated where it is, and when the plan recomputes it (the same
     tests `_loop_gradient` and `copy_loop` make); else a chain reruns it."""
-    in_place = loop_recording.why_not(loop, trip_bound(loop)) is None
+    in_place = loop_recording.why_not(loop, trip_count(loop)) is None
     return in_place, in_place and _forward_outputs_too_big(loop, size) is None
 
 
@@ -240,7 +265,8 @@ def _copy_in_chunks(loop, inputs, size, in_turn=False):
     loop, instead of one partial weight gradient per chunk waiting to be summed.
     """
     dtype = loop.inputs[_COUNTER].dtype
-    bound = trip_bound(loop)
+    bound = trip_count(loop)
+    _stop_at_bound(loop)
     state = inputs
     counters = [inputs[_COUNTER]]
     for start in range(0, bound, size):
@@ -309,12 +335,13 @@ def _chunk_gradient(chunk, *grads):
 def _recorded(loop, size, obstacle=lambda loop, size: None):
     """`loop`'s Recording of its chunk-boundary states (made now if needed),
     or None (logged why) when it cannot save them or `obstacle` says no."""
-    bound = trip_bound(loop)
+    bound = trip_count(loop)
     why = loop_recording.why_not(loop, bound) or obstacle(loop, size)
     if why is not None:
         logger.info("loop %s: its forward pass cannot save the chunk states (%s): "
                     "rerun as a chain of chunks", loop.name, why)
         return None
+    _stop_at_bound(loop)
     return loop_recording.record(loop, size, bound)
 
 
@@ -330,7 +357,7 @@ def _forward_outputs_too_big(loop, size):
         # tf.gradients fills the unused gradients of the pass-through with
         # zeros_like, which XLA cannot build for a list not yet written.
         return "under XLA, a pass-through of its TensorLists cannot be differentiated"
-    saved = -(-trip_bound(loop) // size)
+    saved = -(-trip_count(loop) // size)
     for handle in loop_recording.written_lists(loop):
         length = _reserved_length(handle)
         if length is None or length > saved:

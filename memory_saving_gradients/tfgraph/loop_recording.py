@@ -74,7 +74,7 @@ def why_not(loop: tf.Operation, bound: int) -> Optional[str]:
         return "it was already differentiated by tf.gradients (its op carries accumulators)"
     if static_values.static_value(loop.inputs[_COUNTER]) != 0:
         return "its iteration counter does not start at 0"
-    body = _function(loop, "body")
+    body = fresh_function(loop, "body")
     xla = compat.in_xla_context(loop.graph)
     for index in range(2, len(loop.inputs)):
         kind = _kind(body, index)
@@ -92,7 +92,7 @@ def record(loop: tf.Operation, size: int, bound: int) -> Recording:
     if found is not None:
         return found
     count = math.ceil(bound / size)
-    body, cond = _function(loop, "body"), _function(loop, "cond")
+    body, cond = fresh_function(loop, "body"), fresh_function(loop, "cond")
     saved = [i for i in range(2, len(loop.inputs)) if _kind(body, i) == "saved"]
     attrs, dtypes = template(loop)
     first_output = len(loop.outputs)
@@ -147,12 +147,12 @@ def _saved_state_gradient(read, _):
 
 def written_lists(loop: tf.Operation) -> List[tf.Tensor]:
     """The loop's input TensorLists that its body only writes to (outputs)."""
-    body = _function(loop, "body")
+    body = fresh_function(loop, "body")
     count = len(template(loop)[1])
     return [loop.inputs[i] for i in range(2, count) if _kind(body, i) == "written"]
 
 
-def _function(loop, part):
+def fresh_function(loop, part):
     """A fresh FuncGraph of the loop's `part` ('cond' or 'body'), renamed."""
     graph = compat.while_function_graph(loop, loop.get_attr(part).name)
     graph.name = f"{graph.name}_recorded_{compat.unique_id()}"
