@@ -111,7 +111,9 @@ def saved_state(loop: tf.Operation, found: Recording, index: int, chunk: int) ->
     """Saved input `index` (a key of `found.saved`) at the start of `chunk`.
 
     A chunk that starts after the loop stopped (its condition ended it early)
-    reads the final state instead: from there it runs no iteration.
+    reads the final state instead: from there it runs no iteration. Its
+    gradient, which only a second order asks for, is for the reader to give
+    (loop_replay.py): through the recording lists TensorFlow's would be wrong.
     """
     dtype = loop.inputs[index].dtype
     ran = loop.outputs[_COUNTER]
@@ -120,29 +122,8 @@ def saved_state(loop: tf.Operation, found: Recording, index: int, chunk: int) ->
     value = tf.raw_ops.TensorListGetItem(
         input_handle=loop.outputs[found.saved[index]], index=slot,
         element_shape=_shape_tensor(loop.inputs[index].shape), element_dtype=dtype)
-    value = tf.identity(value)
-    compat.set_gradient_override(value.op, SAVED_STATE_GRADIENT)
-    value.op._memory_saving_loop = loop.name  # pylint: disable=protected-access
     started = tf.constant(chunk * found.size, ran.dtype) < ran
     return tf.where(started, value, loop.outputs[index])
-
-
-# Registered gradient of a saved state's read (`saved_state`): refused.
-SAVED_STATE_GRADIENT = "MemorySavingGradientsSavedState"
-
-
-@tf.RegisterGradient(SAVED_STATE_GRADIENT)
-def _saved_state_gradient(read, _):
-    # Only a second order reaches it (a chunk's gradient stops at its inputs).
-    # Through the forward loop's recording lists it came out silently wrong
-    # (19% off on a tanh loop), so it is refused.
-    loop = read._memory_saving_loop  # pylint: disable=protected-access
-    raise NotImplementedError(
-        f"a gradient of gradients reaches loop {loop}, which memory_saving_gradients "
-        f"differentiated in chunks replayed from the states its forward pass saved: "
-        f"differentiating through those states is not supported (it gave wrong values). "
-        f"Compute the gradients you differentiate again with tf.gradients (or "
-        f"tf.GradientTape without our patching)")
 
 
 def written_lists(loop: tf.Operation) -> List[tf.Tensor]:

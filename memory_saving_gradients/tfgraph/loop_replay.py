@@ -11,6 +11,7 @@ loop. The loop runs twice in all (forward, then once in chunks), against
 three times for a chain of chunks rerun during backprop (loop_chunks.py).
 """
 
+import weakref
 from typing import List, Sequence
 
 import tensorflow as tf
@@ -48,10 +49,55 @@ def _chunk_inputs(loop, found, inputs, chunk, limits):
     def make() -> List[tf.Tensor]:
         if chunk == 0:
             return limits + inputs[2:]
-        return limits + [loop_recording.saved_state(loop, found, i, chunk)
+        carried = inputs[2:found.num_inputs]
+        return limits + [_saved_state(loop, found, i, chunk, carried)
                          if i in found.saved else inputs[i]
                          for i in range(2, found.num_inputs)]
     return make
+
+
+# Registered gradient of a saved state's read (`_saved_state`).
+SAVED_STATE_GRADIENT = "MemorySavingGradientsSavedState"
+
+
+def _saved_state(loop, found, index, chunk, carried):
+    """The state `index` saved at the start of `chunk`, as a function of the
+    loop's carried inputs `carried` (or a copy's stand-ins for them): its
+    gradient, which only a second order reaches, reruns the iterations
+    before the chunk from them and differentiates that rerun."""
+    value = loop_recording.saved_state(loop, found, index, chunk)
+    read = tf.identity_n([value] + list(carried))
+    compat.set_gradient_override(read[0].op, SAVED_STATE_GRADIENT)
+    read[0].op._memory_saving_saved = (loop, index, chunk * found.size)  # pylint: disable=protected-access
+    return read[0]
+
+
+@tf.RegisterGradient(SAVED_STATE_GRADIENT)
+def _saved_state_gradient(read, grad, *_):
+    # The value read is the state after `start` iterations from `carried`
+    # (or the final one, where the loop stopped before: the same as the
+    # prefix rerun, which its condition stops there too). Through the
+    # recording lists, TensorFlow's gradient came out 19% off on a tanh loop.
+    # The prefix reruns once its gradient arrives, after the prefix
+    # differentiated before it: one prefix's iterations alive at a time.
+    loop, index, start = read._memory_saving_saved  # pylint: disable=protected-access
+    carried = list(read.inputs[1:])
+    dtype = loop.inputs[0].dtype
+    grads = [None] * (2 + len(carried))
+    grads[index] = grad
+    graph = read.graph
+    found = loop_rerun.differentiate_rerun(
+        graph, [tf.constant(0, dtype), tf.constant(start, dtype)] + carried, grads,
+        lambda inputs: loop_rerun.copy_while(loop, inputs, one_at_a_time=True).outputs,
+        _prefixes_made.get(graph, ()))
+    made = [g for g in found[2:] if g is not None]
+    if made:
+        _prefixes_made[graph] = made
+    return [None] + found[2:]
+
+
+# Per graph: the gradients the last prefix rerun returned (`_saved_state_gradient`).
+_prefixes_made: "weakref.WeakKeyDictionary[tf.Graph, list]" = weakref.WeakKeyDictionary()
 
 
 def forward_outputs(loop: tf.Operation, found: loop_recording.Recording,
