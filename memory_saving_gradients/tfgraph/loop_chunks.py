@@ -29,11 +29,12 @@ exactly the original iterations even when the condition stops the loop early.
 
 A loop built without `maximum_iterations` (while_v2 passes -1; AutoGraph's
 `for i in tf.range(n)` and `while i < n` loops are built so) has no such test.
-When its condition bounds it all the same (`condition_trips`: `i < n` with
-`n` known now) it is chunked too: its condition is first made to test the
-counter against a `maximum_iterations` input that is not negative
-(`_stop_at_bound`), which leaves the forward loop's run as it was. Without a
-bound known when the gradient is built it is rerun whole.
+When its condition bounds it all the same (`chunk_bound`: every test of it
+compares a counter with a limit known now, as `i < n`) it is chunked too: its
+condition is first made to test the counter against a `maximum_iterations`
+input that is not negative (`_stop_at_bound`), which leaves the forward
+loop's run as it was. Without a bound known when the gradient is built it is
+rerun whole.
 """
 
 import contextlib
@@ -102,9 +103,40 @@ def condition_trips(loop: tf.Operation) -> Optional[int]:
     counter with a limit known now (`i < n`, `i <= n`, `n > i`, ...; either
     side of a logical and), the counter starting at a known value and the
     body adding a known positive step to it; else None."""
+    found = [count for count in _condition_counts(loop) if count is not None]
+    return min(found) if found else None
+
+
+def chunk_bound(loop: tf.Operation) -> Optional[int]:
+    """The iterations a chunked loop's chunks are laid out over, if known now.
+
+    Its `maximum_iterations`; for a loop built without one, what its condition
+    allows where every test of it counts (a test of the data too makes the
+    count a cap the loop may stop far below, and a chunk would be built for
+    every k iterations of the cap); else None. A `maximum_iterations` known
+    only at run time (or negative) bounds the loop too, and a chunk, given k
+    in its place, would lose it: None.
+    """
+    bound = trip_bound(loop)
+    if bound is not None:
+        return bound
+    stopped = getattr(loop, "_memory_saving_stops_at", None)
+    if stopped is not None:  # our test of the bound is now part of its condition
+        return stopped
+    cond = loop_function(loop, "cond")
+    if cond is None or cond.inputs[_BOUND].consumers():  # built with maximum_iterations
+        return None
+    counts = _condition_counts(loop)
+    return min(counts) if counts and None not in counts else None
+
+
+def _condition_counts(loop) -> list:
+    """For each test the loop's condition makes (the sides of its logical
+    ands), the iterations it allows: an int where it compares a counter
+    (`_compared_trips`), else None."""
     cond, body = loop_function(loop, "cond"), loop_function(loop)
     if cond is None or body is None:
-        return None
+        return []
     tests = [loop_recording.passed_through(cond.outputs[0])]
     found = []
     while tests:
@@ -113,8 +145,9 @@ def condition_trips(loop: tf.Operation) -> Optional[int]:
             tests.extend(loop_recording.passed_through(t) for t in test.op.inputs)
         elif test.op.type in _COMPARISONS:
             found.append(_compared_trips(loop, cond, body, test.op))
-    found = [count for count in found if count is not None]
-    return min(found) if found else None
+        else:
+            found.append(None)
+    return found
 
 
 def _compared_trips(loop, cond, body, comparison) -> Optional[int]:
@@ -186,11 +219,11 @@ def _float_bytes(tensors):
 def chunking(loop: tf.Operation) -> Tuple[Optional[int], str]:
     """(chunk size, what is done and why) for rerunnable `loop`; a size of
     None means the loop is rerun whole."""
-    bound = trip_count(loop)
+    bound = chunk_bound(loop)
     if bound is None:
         return None, ("rerun whole: its trip count is not known when the gradient is "
-                      "built (no static maximum_iterations, and its condition compares "
-                      "no counter with a limit known now)")
+                      "built (no static maximum_iterations, and its condition does not "
+                      "only compare counters with limits known now)")
     size = min(choose_chunk_size(loop, bound), bound)
     if size >= bound:
         return None, f"rerun whole: at most {bound} iteration(s), one chunk"
@@ -204,22 +237,23 @@ def _stop_at_bound(loop: tf.Operation) -> None:
     the forward loop's own -1 changes nothing, and a chunk's copy given k
     stops after k iterations. Once per loop; before its states are recorded,
     so the recording's and the chunks' attributes carry it."""
-    if trip_bound(loop) is not None or getattr(loop, "_memory_saving_stops_at_bound", False):
+    if trip_bound(loop) is not None or getattr(loop, "_memory_saving_stops_at", None) is not None:
         return
+    bound = chunk_bound(loop)
     cond = loop_recording.fresh_function(loop, "cond")
     with cond.as_default():
         counter, limit = cond.inputs[_COUNTER], cond.inputs[_BOUND]
         within = tf.logical_or(tf.less(limit, 0), tf.less(counter, limit))
         cond.outputs[0] = tf.logical_and(within, cond.outputs[0])
     compat.set_loop_condition(loop, cond)
-    loop._memory_saving_stops_at_bound = True  # pylint: disable=protected-access
+    loop._memory_saving_stops_at = bound  # pylint: disable=protected-access
 
 
 def saves_states(loop: tf.Operation, size: int) -> Tuple[bool, bool]:
     """Whether `loop`'s forward run saves its chunk boundaries when it is
     differentiated where it is, and when the plan recomputes it (the same
     tests `_loop_gradient` and `copy_loop` make); else a chain reruns it."""
-    in_place = loop_recording.why_not(loop, trip_count(loop)) is None
+    in_place = loop_recording.why_not(loop, chunk_bound(loop)) is None
     return in_place, in_place and _forward_outputs_too_big(loop, size) is None
 
 
@@ -265,7 +299,7 @@ def _copy_in_chunks(loop, inputs, size, in_turn=False):
     loop, instead of one partial weight gradient per chunk waiting to be summed.
     """
     dtype = loop.inputs[_COUNTER].dtype
-    bound = trip_count(loop)
+    bound = chunk_bound(loop)
     _stop_at_bound(loop)
     state = inputs
     counters = [inputs[_COUNTER]]
@@ -335,7 +369,7 @@ def _chunk_gradient(chunk, *grads):
 def _recorded(loop, size, obstacle=lambda loop, size: None):
     """`loop`'s Recording of its chunk-boundary states (made now if needed),
     or None (logged why) when it cannot save them or `obstacle` says no."""
-    bound = trip_count(loop)
+    bound = chunk_bound(loop)
     why = loop_recording.why_not(loop, bound) or obstacle(loop, size)
     if why is not None:
         logger.info("loop %s: its forward pass cannot save the chunk states (%s): "
@@ -357,7 +391,7 @@ def _forward_outputs_too_big(loop, size):
         # tf.gradients fills the unused gradients of the pass-through with
         # zeros_like, which XLA cannot build for a list not yet written.
         return "under XLA, a pass-through of its TensorLists cannot be differentiated"
-    saved = -(-trip_count(loop) // size)
+    saved = -(-chunk_bound(loop) // size)
     for handle in loop_recording.written_lists(loop):
         length = _reserved_length(handle)
         if length is None or length > saved:
