@@ -70,6 +70,11 @@ def why_not(loop: tf.Operation, bound: int) -> Optional[str]:
     """Why `loop` cannot save its chunk boundaries, or None if it can."""
     if recording(loop) is not None:
         return None
+    if compat.any_tape_recording():
+        # A tape that recorded the loop differentiates it later with the
+        # inputs it saw: given more, while_v2's gradient returns too many
+        # gradients ("returned too few gradients. Expected 4 but received 5").
+        return "a GradientTape is recording, and it would differentiate the loop as it saw it"
     if compat.differentiated_by_stock(loop):
         return "it was already differentiated by tf.gradients (its op carries accumulators)"
     if static_values.static_value(loop.inputs[_COUNTER]) != 0:
