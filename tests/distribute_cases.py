@@ -373,6 +373,40 @@ def test_recurrent_layers_rerun_per_replica():
         assert loops, f"replica {replica} reran no loop"
 
 
+def test_second_order_through_replayed_chunks_stays_in_each_replica(monkeypatch):
+    """tf.gradients of our gradients through a loop replayed from its saved
+    states: each saved state's gradient reruns a prefix of the loop, one after
+    another within a replica. Replicas trace in threads; a review found
+    replica 1's first prefix waiting for replica 0's last, across devices."""
+    from memory_saving_gradients.core import loop_plans
+    from memory_saving_gradients.core.planning import LoopModes
+    from memory_saving_gradients.tfgraph import loop_chunks
+    monkeypatch.setattr(loop_chunks, "choose_chunk_size", lambda loop, bound: 2)
+    monkeypatch.setattr(loop_plans, "settings", lambda model: [LoopModes()])
+    strategy = tf.distribute.MirroredStrategy(DEVICES[:2])
+    with strategy.scope():
+        w = tf.Variable(tf.random.stateless_normal([6, 6], seed=[3, 0], dtype=tf.float64) * 0.3)
+
+    def step(first):
+        def replica_step(x):
+            h = tf.while_loop(lambda h: True, lambda h: tf.tanh(h @ w), [x],
+                              maximum_iterations=9)[0]
+            (g,) = first(tf.reduce_sum(h ** 2), [w])
+            return tf.gradients(tf.reduce_sum(g * g), [w])
+        return tf.function(lambda x: strategy.run(replica_step, (x,)))
+
+    inputs = strategy.experimental_distribute_values_from_function(
+        lambda ctx: tf.random.stateless_normal([2, 6], seed=[ctx.replica_id_in_sync_group, 4],
+                                               dtype=tf.float64))
+    ours = step(lambda y, xs: msg.gradients(y, xs, checkpoints="memory"))
+    _assert_same_per_replica(strategy, ours(inputs), step(stock_gradients)(inputs))
+    graph = ours.get_concrete_function(inputs).graph
+    prefix_ops = [op for op in graph.get_operations() if re.search(r"/IdentityN(_\d+)?_grad/", op.name)]
+    assert prefix_ops
+    for op in prefix_ops:
+        assert all(t.op.device == op.device for t in op.inputs if t.op.device), op.name
+
+
 def test_gradient_tape_under_checkpointing_in_replicas():
     strategy = FOUR
     weights = _weights(strategy)

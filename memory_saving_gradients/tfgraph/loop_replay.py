@@ -11,6 +11,7 @@ loop. The loop runs twice in all (forward, then once in chunks), against
 three times for a chain of chunks rerun during backprop (loop_chunks.py).
 """
 
+import threading
 import weakref
 from typing import List, Sequence
 
@@ -86,18 +87,24 @@ def _saved_state_gradient(read, grad, *_):
     grads = [None] * (2 + len(carried))
     grads[index] = grad
     graph = read.graph
+    made = _prefixes_made()
     found = loop_rerun.differentiate_rerun(
         graph, [tf.constant(0, dtype), tf.constant(start, dtype)] + carried, grads,
         lambda inputs: loop_rerun.copy_while(loop, inputs, one_at_a_time=True).outputs,
-        _prefixes_made.get(graph, ()))
-    made = [g for g in found[2:] if g is not None]
-    if made:
-        _prefixes_made[graph] = made
+        made.get(graph, ()))
+    arrived = [g for g in found[2:] if g is not None]
+    if arrived:
+        made[graph] = arrived
     return [None] + found[2:]
 
 
-# Per graph: the gradients the last prefix rerun returned (`_saved_state_gradient`).
-_prefixes_made: "weakref.WeakKeyDictionary[tf.Graph, list]" = weakref.WeakKeyDictionary()
+# Per thread (a tf.distribute strategy's replicas trace in threads, each its own
+# reruns) and graph: the gradients the last prefix rerun returned.
+_local = threading.local()
+
+
+def _prefixes_made() -> "weakref.WeakKeyDictionary[tf.Graph, list]":
+    return _local.__dict__.setdefault("made", weakref.WeakKeyDictionary())
 
 
 def forward_outputs(loop: tf.Operation, found: loop_recording.Recording,
