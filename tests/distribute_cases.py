@@ -401,7 +401,8 @@ def test_second_order_through_replayed_chunks_stays_in_each_replica(monkeypatch)
     ours = step(lambda y, xs: msg.gradients(y, xs, checkpoints="memory"))
     _assert_same_per_replica(strategy, ours(inputs), step(stock_gradients)(inputs))
     graph = ours.get_concrete_function(inputs).graph
-    prefix_ops = [op for op in graph.get_operations() if re.search(r"/IdentityN(_\d+)?_grad/", op.name)]
+    prefix_ops = [op for op in graph.get_operations()
+                  if re.search(r"/IdentityN(_\d+)?_grad/", op.name)]
     assert prefix_ops
     for op in prefix_ops:
         assert all(t.op.device == op.device for t in op.inputs if t.op.device), op.name

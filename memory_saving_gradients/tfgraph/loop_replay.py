@@ -69,7 +69,8 @@ def _saved_state(loop, found, index, chunk, carried):
     value = loop_recording.saved_state(loop, found, index, chunk)
     read = tf.identity_n([value] + list(carried))
     compat.set_gradient_override(read[0].op, SAVED_STATE_GRADIENT)
-    read[0].op._memory_saving_saved = (loop, index, chunk * found.size)  # pylint: disable=protected-access
+    saved = (loop, index, chunk * found.size)
+    read[0].op._memory_saving_saved = saved  # pylint: disable=protected-access
     return read[0]
 
 
