@@ -530,9 +530,11 @@ def test_projections_computed_ahead_of_the_recurrence():
         # A stack of more than the projection per iteration uses them up as it grows.
         assert loop_chunking.run_ahead_buffers(facts, 16, 16 * 2 * projection)[1] == 0
         # Measured (TensorFlow 2.16 and 2.21, either threading): `parallel` projections
-        # alive at once, beside the 32 KiB input list and a state or two.
-        peak = profiled_allocations.requested_peak(
-            profiled_allocations.allocator_events(lambda: step(xs)))
+        # alive at once, beside the 32 KiB input list and a state or two. A call may
+        # hold fewer when the recurrence keeps up (9 of 10 once in CI, under load):
+        # the largest of three calls.
+        peak = max(profiled_allocations.requested_peak(
+            profiled_allocations.allocator_events(lambda: step(xs))) for _ in range(3))
         assert parallel * projection <= peak <= (parallel + 3) * projection, (parallel, peak)
 
 
