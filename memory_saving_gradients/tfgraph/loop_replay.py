@@ -11,8 +11,6 @@ loop. The loop runs twice in all (forward, then once in chunks), against
 three times for a chain of chunks rerun during backprop (loop_chunks.py).
 """
 
-import threading
-import weakref
 from typing import List, Sequence
 
 import tensorflow as tf
@@ -75,37 +73,25 @@ def _saved_state(loop, found, index, chunk, carried):
 
 
 @tf.RegisterGradient(SAVED_STATE_GRADIENT)
-def _saved_state_gradient(read, grad, *_):
+@loop_rerun.always_in_turn
+def _saved_state_gradient(read, grad, *_, after):
     # The value read is the state after `start` iterations from `carried`
     # (or the final one, where the loop stopped before: the same as the
     # prefix rerun, which its condition stops there too). Through the
     # recording lists, TensorFlow's gradient came out 19% off on a tanh loop.
     # The prefix reruns once its gradient arrives, after the prefix
-    # differentiated before it: one prefix's iterations alive at a time.
+    # differentiated before it (per thread: a tf.distribute strategy's
+    # replicas trace in threads): one prefix's iterations alive at a time.
     loop, index, start = read._memory_saving_saved  # pylint: disable=protected-access
     carried = list(read.inputs[1:])
     dtype = loop.inputs[0].dtype
     grads = [None] * (2 + len(carried))
     grads[index] = grad
-    graph = read.graph
-    made = _prefixes_made()
     found = loop_rerun.differentiate_rerun(
-        graph, [tf.constant(0, dtype), tf.constant(start, dtype)] + carried, grads,
+        read.graph, [tf.constant(0, dtype), tf.constant(start, dtype)] + carried, grads,
         lambda inputs: loop_rerun.copy_while(loop, inputs, one_at_a_time=True).outputs,
-        made.get(graph, ()))
-    arrived = [g for g in found[2:] if g is not None]
-    if arrived:
-        made[graph] = arrived
+        after)
     return [None] + found[2:]
-
-
-# Per thread (a tf.distribute strategy's replicas trace in threads, each its own
-# reruns) and graph: the gradients the last prefix rerun returned.
-_local = threading.local()
-
-
-def _prefixes_made() -> "weakref.WeakKeyDictionary[tf.Graph, list]":
-    return _local.__dict__.setdefault("made", weakref.WeakKeyDictionary())
 
 
 def forward_outputs(loop: tf.Operation, found: loop_recording.Recording,

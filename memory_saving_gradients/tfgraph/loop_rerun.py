@@ -8,6 +8,7 @@ stock gradient once the gradient from after it has arrived.
 import contextlib
 import functools
 import threading
+import weakref
 from typing import Iterator
 
 import tensorflow as tf
@@ -88,13 +89,30 @@ def in_turn(gradient):
     """Decorates a registered loop gradient `gradient(op, *grads, after)` so
     that it is built to wait for `after`, what the last loop gradient made in
     the op's graph returned (nothing outside `loop_gradients_in_turn`)."""
+    return _taking_turns(gradient, dict)
+
+
+def always_in_turn(gradient):
+    """Like `in_turn`, and outside `loop_gradients_in_turn` too, in a record
+    kept per thread: a user's own tf.gradients of our gradients (a second
+    order) opens no context, yet its loop gradients should take turns."""
+    return _taking_turns(gradient, _standing_record)
+
+
+def _standing_record() -> "weakref.WeakKeyDictionary[tf.Graph, list]":
+    return _local.__dict__.setdefault("standing", weakref.WeakKeyDictionary())
+
+
+def _taking_turns(gradient, outside):
+    """`gradient` waiting for what the record of the open context holds,
+    else the record `outside()` gives (`dict`: a new one, so nothing)."""
     @functools.wraps(gradient)
     def taking_turns(op, *grads):
         turns = _open_turns()
-        made = turns[-1].made if turns else {}
+        made = turns[-1].made if turns else outside()
         results = gradient(op, *grads, after=made.get(op.graph, ()))
         arrived = [g for g in results if g is not None]
-        if turns and arrived:
+        if arrived:
             made[op.graph] = arrived
         return results
     return taking_turns
