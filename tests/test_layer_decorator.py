@@ -691,3 +691,79 @@ def test_a_keras_mask_on_an_output_is_kept():
     with msg.checkpointing():
         tf.function(step.python_function)(ids)
     assert masks[-1] is not None
+
+
+class TwoHeads(keras.layers.Layer):
+    """Two outputs from two weights: a loss reading "a" leaves `v` unread."""
+
+    def __init__(self, units=4, **kwargs):
+        super().__init__(**kwargs)
+        self.units = units
+
+    def build(self, shape):
+        self.w = self.add_weight(shape=(shape[-1], self.units), initializer="glorot_uniform")
+        self.v = self.add_weight(shape=(shape[-1], self.units), initializer="glorot_uniform")
+
+    def call(self, x):
+        return {"a": tf.tanh(x @ self.w), "b": tf.tanh(x @ self.v)}
+
+
+class RecomputedTwoHeads(TwoHeads):
+    @recompute_grad
+    def call(self, x):
+        return super().call(x)
+
+
+@pytest.mark.parametrize("how", ["tape", "tf.gradients"])
+@pytest.mark.parametrize("batch", ["static", "dynamic"])
+@pytest.mark.parametrize("units", [4, 512], ids=["small", "large"])
+def test_a_weight_only_unread_outputs_reach_gets_none_as_undecorated(how, batch, units,
+                                                                     count_segments):
+    """The zeros TensorFlow fills in for an unread output (tf.gradients'
+    ZerosLike; a tape's constant, or Fill above 1000 elements) reach no
+    weight: `v` gets None, as without the decorator (0.0 before session 41)."""
+    x = tf.constant(np.random.RandomState(0).randn(3, 4).astype(np.float32))
+
+    def gradients(kind):
+        keras.utils.set_random_seed(0)
+        layer = kind(units)
+        layer.build((None, 4))
+        signature = [tf.TensorSpec([None, 4])] if batch == "dynamic" else None
+
+        @tf.function(input_signature=signature)
+        def step(x):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                loss = tf.reduce_sum(layer(x)["a"] ** 2)
+            sources = [x, layer.w, layer.v]
+            return (tape.gradient(loss, sources) if how == "tape"
+                    else tf.gradients(loss, sources))
+        return step(x)
+
+    stock = gradients(TwoHeads)
+    with msg.checkpointing():
+        ours = gradients(RecomputedTwoHeads)
+    assert count_segments  # the layer was a segment
+    assert stock[2] is None and ours[2] is None
+    for got, want in zip(ours[:2], stock[:2]):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-6, atol=1e-7)
+
+
+def test_fit_leaves_a_weight_no_loss_reads_as_undecorated():
+    """AdamW moves a weight given a zero gradient (decay); one given None is
+    skipped. A model whose loss reads one of a layer's two outputs trains
+    its weights as the undecorated model does, the unread one untouched."""
+    def train(head, on):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((WIDTH,))
+        outputs = keras.layers.Dense(1)(head(name="heads")(inputs)["a"])
+        model = keras.Model(inputs, outputs)
+        model.compile(optimizer=keras.optimizers.AdamW(0.01, weight_decay=0.1), loss="mse")
+        before = model.get_layer("heads").v.numpy()
+        weights = fit(model, on=on, epochs=1)
+        return before, model.get_layer("heads").v.numpy(), weights
+
+    _, _, want = train(TwoHeads, on=False)
+    before, after, got = train(RecomputedTwoHeads, on=True)
+    np.testing.assert_array_equal(after, before)
+    assert_same_weights(got, want, rtol=1e-5, atol=1e-6)

@@ -279,7 +279,7 @@ def _recomputed_gradients(graph, outputs, body_ops: list, inputs: tuple, variabl
     # Outputs that depend on no x (constants, ints) get no gradient through.
     reached = _reached_from(xs, body_ops)
     pairs = [(y, g) for y, g in zip(tf.nest.flatten(outputs), output_grads)
-             if id(y) in reached and y.dtype.is_floating and g is not None]
+             if id(y) in reached and y.dtype.is_floating and not _filled_in(g, y)]
     grads = [None] * len(xs)
     ys, grad_ys = [y for y, _ in pairs], [g for _, g in pairs]
     if pairs and compat.any_tape_recording():
@@ -297,6 +297,37 @@ def _recomputed_gradients(graph, outputs, body_ops: list, inputs: tuple, variabl
     grad_of = dict(zip(map(id, read_values), grads[len(inputs):]))
     return grads[:len(inputs)] + [_variable_gradient(handle, ops, grad_of)
                                   for handle, ops in readers]
+
+
+def _filled_in(grad, output) -> bool:
+    """True if `grad` is None or the zeros TensorFlow made for `output`
+    because nothing the loss reads depends on it.
+
+    `tf.custom_gradient` hands its gradient function such zeros for unread
+    outputs (tf.gradients: `ZerosLike(output)`; a tape: a zero constant, or a
+    `Fill` of one for large shapes). Left out, a weight or input only they
+    reach gets None, as without the decorator, so an optimizer skips it
+    instead of applying a zero gradient (momentum and weight decay would
+    still move the weight). Dropping zeros changes no value.
+    """
+    if grad is None:
+        return True
+    if not isinstance(grad, tf.Tensor):
+        return False
+    op = grad.op
+    if op.type == "ZerosLike":
+        # Of the boundary's IdentityN output passing `output` through.
+        of = op.inputs[0]
+        return of is output or (of.op.type == "IdentityN"
+                                and of.op.inputs[of.value_index] is output)
+    if op.type == "Fill":
+        return _all_zeros(op.inputs[1])
+    return op.type == "Const" and _all_zeros(grad)
+
+
+def _all_zeros(tensor: tf.Tensor) -> bool:
+    value = tf.get_static_value(tensor)
+    return value is not None and not value.any()
 
 
 def _after_weight_gradients(input_grads: list, weight_grads: list) -> list:
