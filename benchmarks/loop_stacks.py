@@ -6,8 +6,9 @@
 Each case is one recurrence over T=64 steps (batch 32, 256 units, 64 input
 features; the nested case 8 outer x 16 inner steps, batch 256, 64 units):
 the tanh loop also with its cell a called tf.function ("called"), with a
-tf.cond between it and a sigmoid cell ("cond"), and without
-`maximum_iterations` ("unbounded"), and Keras's GRU and LSTM also in a
+tf.cond between it and a sigmoid cell ("cond"), without
+`maximum_iterations` ("unbounded"), and with one read from a variable when the
+step runs ("run_time_bound"), and Keras's GRU and LSTM also in a
 Bidirectional layer ("bidirectional_GRU", "bidirectional_LSTM"),
 differentiated by tf.gradients and by checkpoints='memory' in one
 tf.function step. For each, in a fresh subprocess: the activation memory
@@ -29,8 +30,8 @@ import sys
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 STEPS, BATCH, FEATURES, UNITS = 64, 32, 64, 256
-CASES = ("while_tanh", "called", "cond", "unbounded", "scan", "SimpleRNN", "GRU", "LSTM",
-         "bidirectional_GRU", "bidirectional_LSTM", "nested")
+CASES = ("while_tanh", "called", "cond", "unbounded", "run_time_bound", "scan", "SimpleRNN",
+         "GRU", "LSTM", "bidirectional_GRU", "bidirectional_LSTM", "nested")
 METHODS = ("tf.gradients", "memory")
 
 
@@ -49,14 +50,17 @@ def case(name):
         "cond": lambda i, h, x: tf.cond(i % 2 == 0, lambda: cell(h, x),
                                         lambda: tf.sigmoid(h @ wh + x @ wx)),
         "unbounded": lambda i, h, x: cell(h, x),
+        "run_time_bound": lambda i, h, x: cell(h, x),
     }
+    length = tf.Variable(STEPS)
+    bounds = {"unbounded": lambda: None, "run_time_bound": length.read_value}
     if name in steps:
         def loss(xs):
             items = tf.TensorArray(tf.float32, STEPS).unstack(xs)
             _, h = tf.while_loop(lambda i, h: i < STEPS,
                                  lambda i, h: (i + 1, steps[name](i, h, items.read(i))),
                                  [0, tf.zeros([BATCH, UNITS])],
-                                 maximum_iterations=None if name == "unbounded" else STEPS)
+                                 maximum_iterations=bounds.get(name, lambda: STEPS)())
             return tf.reduce_sum(h * h)
         return loss, [wh, wx], xs
     if name == "scan":  # the same cell, every h_t an output

@@ -137,12 +137,20 @@ def test_loop_without_a_known_trip_count_is_rerun_whole_and_says_why(chunk_size,
     assert "trip count is not known" in caplog.text
 
 
+@pytest.fixture
+def runtime_chunks(monkeypatch):
+    """Sets the chunk count of loops bounded at run time: `runtime_chunks(c)`."""
+    return lambda count: monkeypatch.setattr(loop_chunks, "RUNTIME_CHUNKS", count)
+
+
 @pytest.mark.parametrize("given", ["at run time", "-1", "set_loop_options"])
-def test_counted_loop_with_a_maximum_iterations_not_known_now_is_rerun_whole(chunk_size, given):
-    """`t < 10` counts 10 iterations, but a maximum_iterations of 3 given at
-    run time (or -1: none) stops the loop first; chunks, given their own
-    bound in its place, ran on to 10 (a review: gradients up to 3.7x off)."""
-    chunk_size(2)
+def test_a_maximum_iterations_known_at_run_time_is_chunked(runtime_chunks, given):
+    """`t < 10` counts 10 iterations, but a maximum_iterations given at run
+    time (or -1: none) stops the loop first. Chunks given `10 // 3` in its
+    place ran on to 10 (a review in session 40: gradients up to 3.7x off).
+    Now the loop is laid out in 3 chunks of ceil(n / 3) iterations, n read
+    when the step runs; n from 0 to past 10, each with its own chunk sizes."""
+    runtime_chunks(3)
     w = tf.Variable(_normal((4, 4), 0.5, seed=1))
     x = tf.constant(_normal((2, 4), 1.0))
     body = lambda t, h: (t + 1, tf.tanh(h @ w) + 0.5 * h)  # noqa: E731
@@ -166,12 +174,41 @@ def test_counted_loop_with_a_maximum_iterations_not_known_now_is_rerun_whole(chu
         return run
 
     ours = step(lambda y, xs: msg.gradients(y, xs, checkpoints="memory"))
-    n = tf.constant(3)  # a tensor: known when the step runs, not when it is traced
-    (ours_loss, ours_grads), (loss_, grads) = ours(x, n), step(stock_gradients)(x, n)
-    np.testing.assert_allclose(ours_loss, loss_, rtol=1e-6)
-    for mine, theirs in zip(ours_grads, grads):
-        np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-6)
-    assert not _chunk_loops(ours.get_concrete_function(x, n).graph)
+    stock = step(stock_gradients)
+    for count in [0, 1, 2, 3, 4, 7, 9, 12]:
+        n = tf.constant(count)  # a tensor: known when the step runs, not when it is traced
+        (ours_loss, ours_grads), (loss_, grads) = ours(x, n), stock(x, n)
+        np.testing.assert_allclose(ours_loss, loss_, rtol=1e-6)
+        for mine, theirs in zip(ours_grads, grads):
+            np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-6)
+    recorded, reruns = _loop_runs(ours.get_concrete_function(x, n).graph)
+    # States saved forward, 3 chunks replayed; -1, known now, runs no
+    # iteration: nothing to chunk.
+    if given == "-1":
+        assert recorded == 0 and len(reruns) <= 1
+    else:
+        assert (recorded, len(reruns)) == (1, 3)
+
+
+def test_a_chain_of_chunks_with_a_bound_known_at_run_time(runtime_chunks):
+    """Where the forward loop cannot save its states (tf.gradients already
+    differentiated it), the chain of chunks is laid out at run time too."""
+    runtime_chunks(4)
+    w = tf.Variable(_normal((4, 4), 0.5, seed=1))
+    x = tf.constant(_normal((2, 4), 1.0))
+
+    @tf.function
+    def both(x, n):
+        _, h = tf.while_loop(lambda t, h: True, lambda t, h: (t + 1, tf.tanh(h @ w) + 0.5 * h),
+                             [tf.constant(0), x], maximum_iterations=n)
+        loss = tf.reduce_sum(tf.square(tf.sin(h)))
+        return stock_gradients(loss, [x, w]), msg.gradients(loss, [x, w], checkpoints="memory")
+
+    for count in [0, 1, 3, 5, 11]:
+        stock, ours = both(x, tf.constant(count))
+        for mine, theirs in zip(ours, stock):
+            np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-6)
+    assert len(_chunk_loops(both.get_concrete_function(x, tf.constant(3)).graph)) == 3
 
 
 def _autograph_loops(x, w, dynamic_list=True):
@@ -219,7 +256,7 @@ def test_autograph_loops_are_chunked(chunk_size):
             return stock_gradients(loss, xs)
 
     graph = _ours_alone_vs_stock(build, [x], gradients=ours, autograph=True)
-    recorded, reruns = _loop_runs(graph)
+    recorded, reruns = _rerun_iterations(graph)
     assert recorded == 4  # the dynamic TensorArray's loop is rerun as a chain
     assert reruns == 6 + 6 + 6 + 7 + (5 + 4)
 
@@ -286,35 +323,42 @@ def test_keras_recurrent_layers(chunk_size):
     assert len(_chunk_loops(outcome.graph)) == 2 * len(layers)  # 3 + 3 + 1 steps each
 
 
-@pytest.mark.parametrize("bounded", [True, False])
+@pytest.mark.parametrize("bounded", [True, False, "at run time"])
 def test_long_loop_keeps_a_fraction_of_stock_memory(bounded):
     """T = 400 steps of a [16, 256] state: tf.gradients keeps every step's
     intermediates; chunks of 20 keep 20 states and one chunk's intermediates.
-    The same where only the loop's condition bounds it."""
+    The same where only the loop's condition bounds it, and where its
+    maximum_iterations is a tensor (16 chunks of 25)."""
     steps, batch, units = 400, 16, 256
     w = tf.Variable(_normal((units, units), 1.0 / np.sqrt(units), seed=5))
     x = tf.constant(_normal((batch, units), 0.5))
+    n = tf.constant(steps)
 
-    def loss(x):
+    def loss(x, n):
         _, h = tf.while_loop(
             lambda t, h: t < steps,
             lambda t, h: (t + 1, tf.tanh(tf.matmul(h, w)) * tf.sigmoid(h) + 0.5 * h),
-            [tf.constant(0), x], maximum_iterations=steps if bounded else None)
+            [tf.constant(0), x], maximum_iterations={True: steps, False: None}.get(bounded, n))
         return tf.reduce_sum(tf.square(h))
 
     @tf.function
-    def stock(x):
-        return stock_gradients(loss(x), [w])
+    def stock(x, n):
+        return stock_gradients(loss(x, n), [w])
 
     @tf.function
-    def ours(x):
-        return msg.gradients(loss(x), [w], checkpoints="memory")
+    def ours(x, n):
+        return msg.gradients(loss(x, n), [w], checkpoints="memory")
 
-    np.testing.assert_allclose(ours(x)[0], stock(x)[0], rtol=1e-4, atol=1e-6)
-    assert _loop_runs(ours.get_concrete_function(x).graph) == (1, steps)  # states saved forward
+    np.testing.assert_allclose(ours(x, n)[0], stock(x, n)[0], rtol=1e-4, atol=1e-6)
+    graph = ours.get_concrete_function(x, n).graph
+    if bounded == "at run time":
+        recorded, reruns = _loop_runs(graph)
+        assert (recorded, len(reruns)) == (1, loop_chunks.RUNTIME_CHUNKS)
+    else:
+        assert _rerun_iterations(graph) == (1, steps)  # states saved forward
     gradient_bytes = units * units * 4  # the output, not activation memory
-    stock_peak, _ = msg.function_peak_bytes(stock, x)
-    ours_peak, _ = msg.function_peak_bytes(ours, x)
+    stock_peak, _ = msg.function_peak_bytes(stock, x, n)
+    ours_peak, _ = msg.function_peak_bytes(ours, x, n)
     ratio = (ours_peak - gradient_bytes) / (stock_peak - gradient_bytes)
     assert ratio <= 0.3, (ours_peak, stock_peak)
 
@@ -392,14 +436,20 @@ def _ours_alone_vs_stock(build, args, in_place=False, jit=False, gradients=None,
 
 
 def _loop_runs(graph):
+    """(forward loops that record their chunk states, the loops rerun during
+    backprop)."""
+    loops_ = [op for op in graph.get_operations() if op.type in ("While", "StatelessWhile")]
+    recorded = [op for op in loops_ if "_recorded_" in op.get_attr("body").name]
+    return len(recorded), [op for op in loops_ if op.name.startswith("gradients")
+                           and "_grad_" not in op.get_attr("body").name]
+
+
+def _rerun_iterations(graph):
     """(forward loops that record their chunk states, iterations the reruns
     of loops may run: the sum of their bounds). A chain of chunks rerun from
     the inputs would add T iterations more."""
-    loops_ = [op for op in graph.get_operations() if op.type in ("While", "StatelessWhile")]
-    recorded = [op for op in loops_ if "_recorded_" in op.get_attr("body").name]
-    reruns = [op for op in loops_ if op.name.startswith("gradients")
-              and "_grad_" not in op.get_attr("body").name]
-    return len(recorded), sum(int(tf.get_static_value(op.inputs[1])) for op in reruns)
+    recorded, reruns = _loop_runs(graph)
+    return recorded, sum(int(tf.get_static_value(op.inputs[1])) for op in reruns)
 
 
 class _Rnn:
@@ -441,7 +491,7 @@ def test_in_place_loop_reruns_each_chunk_once(chunk_size, steps, size, jit, boun
     # Under XLA tf.gradients cannot differentiate a loop without maximum_iterations.
     graph = _ours_alone_vs_stock(_Rnn(steps, bounded), [tf.constant(_normal((2, steps, 3)))],
                                  in_place=True, jit=jit, stock_jit=jit and bounded)
-    assert _loop_runs(graph) == (1, steps)
+    assert _rerun_iterations(graph) == (1, steps)
 
 
 @pytest.mark.parametrize("bounded", [True, False])
@@ -454,7 +504,7 @@ def test_copied_loop_uses_the_forward_states(chunk_size, jit, bounded):
     chunk_size(3)
     graph = _ours_alone_vs_stock(_Rnn(1, bounded), [tf.constant(_normal((2, 7, 3)))], jit=jit,
                                  stock_jit=jit and bounded)
-    assert _loop_runs(graph) == ((1, 7) if not jit else (0, 7 + 6))
+    assert _rerun_iterations(graph) == ((1, 7) if not jit else (0, 7 + 6))
 
 
 def test_copied_loop_writing_a_long_sequence_stays_a_chain(chunk_size, caplog):
@@ -462,7 +512,7 @@ def test_copied_loop_writing_a_long_sequence_stays_a_chain(chunk_size, caplog):
     chunk_size(3)
     with caplog.at_level(logging.INFO, logger="memory_saving_gradients"):
         graph = _ours_alone_vs_stock(_Rnn(7), [tf.constant(_normal((2, 7, 3)))])
-    assert _loop_runs(graph) == (0, 7 + 6)
+    assert _rerun_iterations(graph) == (0, 7 + 6)
     assert "it writes a TensorArray of 7 elements" in caplog.text
 
 
@@ -478,9 +528,9 @@ def test_forward_saved_states_with_one_iteration_and_early_stop(chunk_size):
 
     x = tf.constant(_normal((2, 4), 0.1))
     graph = _ours_alone_vs_stock(lambda x: build(x, 9), [x], in_place=True)
-    assert _loop_runs(graph) == (1, 9)  # stops after 5 iterations, in chunk 2 of 5
+    assert _rerun_iterations(graph) == (1, 9)  # stops after 5 iterations, in chunk 2 of 5
     graph = _ours_alone_vs_stock(lambda x: build(x, 1), [x], in_place=True)
-    assert _loop_runs(graph)[0] == 0  # one iteration: no chunks
+    assert _rerun_iterations(graph)[0] == 0  # one iteration: no chunks
 
 
 @pytest.mark.slow
@@ -504,7 +554,7 @@ def test_forward_saved_states_of_scan_and_keras_layers(chunk_size):
         return loss + tf.reduce_sum(tf.square(hs)), [x, w] + weights, None
 
     graph = _ours_alone_vs_stock(build, [x])
-    assert _loop_runs(graph)[0] >= 1
+    assert _rerun_iterations(graph)[0] >= 1
 
 
 def test_loop_in_a_nested_function_call(chunk_size):
@@ -536,7 +586,7 @@ def test_forward_saved_states_in_a_session(chunk_size):
                 [0, tf.zeros([2, 4]), tf.TensorArray(tf.float32, 1)], maximum_iterations=7)
             loss = tf.reduce_sum(tf.square(outs.stack())) + tf.reduce_sum(h)
             fetches = [loss] + gradients(loss, [x, w])
-            recorded.append(_loop_runs(graph))
+            recorded.append(_rerun_iterations(graph))
             with tf.compat.v1.Session(graph=graph) as session:
                 results.append(session.run(fetches, dict(zip([x, w], feeds))))
     assert recorded[0] == (1, 7)
@@ -555,7 +605,7 @@ def test_second_gradients_call_reuses_the_saved_states(chunk_size):
         return loss + tf.stop_gradient(tf.add_n([tf.reduce_sum(g) for g in again])) * 0.0, xs, h
 
     graph = _ours_alone_vs_stock(build, [tf.constant(_normal((2, 7, 3)))])
-    assert _loop_runs(graph) == (1, 14)
+    assert _rerun_iterations(graph) == (1, 14)
 
 
 class _RunningSum:

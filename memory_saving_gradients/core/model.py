@@ -50,8 +50,10 @@ class Loop:
     """What a v2 While op keeps for its gradient, per iteration.
 
     Attributes:
-      trip_count: its `maximum_iterations` when known before it runs, else None
-        (then one iteration is counted: a lower bound).
+      trip_count: its `maximum_iterations` when known before it runs (or what
+        its condition allows); for one known only at run time, the count the
+        rewrite's chunks are laid out for (`loop_chunks.planned_trips`); else
+        None (then one iteration is counted: a lower bound).
       iteration_bytes: bytes the stock gradient (while_v2) pushes onto its
         per-iteration stacks each iteration, kept from the loop's run until
         backprop reaches it.

@@ -33,7 +33,12 @@ When its condition bounds it all the same (`chunk_bound`: every test of it
 compares a counter with a limit known now, as `i < n`) it is chunked too: its
 condition is first made to test the counter against a `maximum_iterations`
 input that is not negative (`_stop_at_bound`), which leaves the forward
-loop's run as it was. Without a bound known when the gradient is built it is
+loop's run as it was.
+
+A loop whose `maximum_iterations` is known only at run time (a Keras RNN over
+sequences of unknown length, `tf.while_loop(..., maximum_iterations=n)` with
+a tensor n) is laid out in `RUNTIME_CHUNKS` chunks of ceil(T / RUNTIME_CHUNKS)
+iterations, computed from T when the step runs (`layout`). Any other loop is
 rerun whole.
 """
 
@@ -65,6 +70,11 @@ _COMPARISONS = {"Less": (True, False), "LessEqual": (True, True),
                 "Greater": (False, False), "GreaterEqual": (False, True)}
 # Body ops whose outputs are no new memory.
 _FREE_OP_TYPES = frozenset({"Placeholder", "Identity", "Const", "ReadVariableOp"})
+# Chunks a loop bounded only at run time is laid out in: its T iterations
+# then keep ceil(T / 16) iterations' stacks and 16 states, whatever T is
+# (the least for T near 16 * 16 when a state weighs what an iteration does).
+# The planner, which cannot know T, plans such a loop as if T were that.
+RUNTIME_CHUNKS = 16
 
 
 def loop_function(loop: tf.Operation, part: str = "body"):
@@ -92,10 +102,19 @@ def trip_count(loop: tf.Operation) -> Optional[int]:
     return condition_trips(loop) if bound is None else bound
 
 
+def planned_trips(loop: tf.Operation) -> Optional[int]:
+    """`trip_count`, or for a loop bounded at run time the count the planner
+    assumes: RUNTIME_CHUNKS ** 2, which its chunks suit best."""
+    count = trip_count(loop)
+    if count is None and bounded_at_run_time(loop):
+        return RUNTIME_CHUNKS ** 2
+    return count
+
+
 def trips(loop: tf.Operation) -> int:
-    """`trip_count` as a count to scale by: 1 when unknown or zero
+    """`planned_trips` as a count to scale by: 1 when unknown or zero
     (`core.loop_chunking.trips` for a loop op)."""
-    return max(trip_count(loop) or 1, 1)
+    return max(planned_trips(loop) or 1, 1)
 
 
 def condition_trips(loop: tf.Operation) -> Optional[int]:
@@ -105,6 +124,16 @@ def condition_trips(loop: tf.Operation) -> Optional[int]:
     body adding a known positive step to it; else None."""
     found = [count for count in _condition_counts(loop) if count is not None]
     return min(found) if found else None
+
+
+def bounded_at_run_time(loop: tf.Operation) -> bool:
+    """True if the loop was built with a `maximum_iterations` not known now
+    (its condition reads it): a tensor computed when the step runs."""
+    if (static_values.static_value(loop.inputs[_BOUND]) is not None
+            or getattr(loop, "_memory_saving_stops_at", None) is not None):
+        return False
+    cond = loop_function(loop, "cond")
+    return cond is not None and bool(cond.inputs[_BOUND].consumers())
 
 
 def chunk_bound(loop: tf.Operation) -> Optional[int]:
@@ -220,15 +249,36 @@ def chunking(loop: tf.Operation) -> Tuple[Optional[int], str]:
     """(chunk size, what is done and why) for rerunnable `loop`; a size of
     None means the loop is rerun whole."""
     bound = chunk_bound(loop)
+    if bound is None and bounded_at_run_time(loop):
+        return RUNTIME_CHUNKS, (
+            f"rerun in {RUNTIME_CHUNKS} chunks of ceil(T / {RUNTIME_CHUNKS}) iterations, T "
+            f"its maximum_iterations known at run time (planned as if "
+            f"{planned_trips(loop)})")
     if bound is None:
         return None, ("rerun whole: its trip count is not known when the gradient is "
-                      "built (no static maximum_iterations, and its condition does not "
-                      "only compare counters with limits known now)")
+                      "built (no maximum_iterations, and its condition does not only "
+                      "compare counters with limits known now)")
     size = min(choose_chunk_size(loop, bound), bound)
     if size >= bound:
         return None, f"rerun whole: at most {bound} iteration(s), one chunk"
     counted = "" if trip_bound(loop) is not None else " (counted from its condition)"
     return size, f"rerun in chunks of {size} of its at most {bound} iterations{counted}"
+
+
+def layout(loop: tf.Operation, size: int, bound: tf.Tensor) -> loop_recording.Layout:
+    """The chunks of `loop`, chunked in `size`s by `chunking`, given `bound`,
+    the maximum_iterations input of the run to lay out (the loop's own, or a
+    copy's): for a loop bounded at run time, ops computing its size from it."""
+    if not bounded_at_run_time(loop):
+        return loop_recording.Layout(_chunk_count(loop, size), size, chunk_bound(loop))
+    with loop.graph.control_dependencies(None), tf.device(loop.device or None):
+        iterations = tf.maximum(bound, 0)
+        return loop_recording.Layout(
+            RUNTIME_CHUNKS, tf.maximum(-(-iterations // RUNTIME_CHUNKS), 1), iterations)
+
+
+def _chunk_count(loop: tf.Operation, size: int) -> int:
+    return RUNTIME_CHUNKS if bounded_at_run_time(loop) else -(-chunk_bound(loop) // size)
 
 
 def _stop_at_bound(loop: tf.Operation) -> None:
@@ -237,7 +287,8 @@ def _stop_at_bound(loop: tf.Operation) -> None:
     the forward loop's own -1 changes nothing, and a chunk's copy given k
     stops after k iterations. Once per loop; before its states are recorded,
     so the recording's and the chunks' attributes carry it."""
-    if trip_bound(loop) is not None or getattr(loop, "_memory_saving_stops_at", None) is not None:
+    if (trip_bound(loop) is not None or bounded_at_run_time(loop)
+            or getattr(loop, "_memory_saving_stops_at", None) is not None):
         return
     bound = chunk_bound(loop)
     cond = loop_recording.fresh_function(loop, "cond")
@@ -253,7 +304,7 @@ def saves_states(loop: tf.Operation, size: int) -> Tuple[bool, bool]:
     """Whether `loop`'s forward run saves its chunk boundaries when it is
     differentiated where it is, and when the plan recomputes it (the same
     tests `_loop_gradient` and `copy_loop` make); else a chain reruns it."""
-    in_place = loop_recording.why_not(loop, chunk_bound(loop)) is None
+    in_place = loop_recording.why_not(loop) is None
     return in_place, in_place and _forward_outputs_too_big(loop, size) is None
 
 
@@ -299,19 +350,19 @@ def _copy_in_chunks(loop, inputs, size, in_turn=False):
     loop, instead of one partial weight gradient per chunk waiting to be summed.
     """
     dtype = loop.inputs[_COUNTER].dtype
-    bound = chunk_bound(loop)
+    chunks = layout(loop, size, inputs[_BOUND])
     _stop_at_bound(loop)
     state = inputs
     counters = [inputs[_COUNTER]]
-    for start in range(0, bound, size):
-        limits = [tf.constant(0, dtype), tf.constant(min(size, bound - start), dtype)]
-        last = start + size >= bound
+    for index in range(chunks.count):
+        limits = [tf.constant(0, dtype), chunks.limit(index, dtype)]
+        last = index == chunks.count - 1
         chunk = loop_rerun.copy_while(loop, limits + state[2:],
                                       None if last else CHUNK_GRADIENT, one_at_a_time=True)
         for before, after in zip(state, chunk.outputs):
             if before.dtype in (tf.resource, tf.variant):
                 compat.copy_handle_data(before, after)
-        if in_turn and start == 0 and not last:  # one chunk: the stock gradient, nothing to mark
+        if in_turn and index == 0 and not last:  # one chunk: the stock gradient, nothing to mark
             loop_rerun.rerun_in_turn(chunk)
         state = list(chunk.outputs)
         counters.append(state[_COUNTER])
@@ -369,14 +420,15 @@ def _chunk_gradient(chunk, *grads):
 def _recorded(loop, size, obstacle=lambda loop, size: None):
     """`loop`'s Recording of its chunk-boundary states (made now if needed),
     or None (logged why) when it cannot save them or `obstacle` says no."""
-    bound = chunk_bound(loop)
-    why = loop_recording.why_not(loop, bound) or obstacle(loop, size)
+    why = loop_recording.why_not(loop) or obstacle(loop, size)
     if why is not None:
         logger.info("loop %s: its forward pass cannot save the chunk states (%s): "
                     "rerun as a chain of chunks", loop.name, why)
         return None
     _stop_at_bound(loop)
-    return loop_recording.record(loop, size, bound)
+    if loop_recording.recording(loop) is not None:
+        return loop_recording.recording(loop)
+    return loop_recording.record(loop, layout(loop, size, loop.inputs[_BOUND]))
 
 
 def _forward_outputs_too_big(loop, size):
@@ -391,7 +443,7 @@ def _forward_outputs_too_big(loop, size):
         # tf.gradients fills the unused gradients of the pass-through with
         # zeros_like, which XLA cannot build for a list not yet written.
         return "under XLA, a pass-through of its TensorLists cannot be differentiated"
-    saved = -(-chunk_bound(loop) // size)
+    saved = _chunk_count(loop, size)
     for handle in loop_recording.written_lists(loop):
         length = _reserved_length(handle)
         if length is None or length > saved:

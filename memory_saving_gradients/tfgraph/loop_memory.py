@@ -61,7 +61,7 @@ def loop_facts(loop: tf.Operation, rerunnable: bool, region=frozenset(),
     seen = [index is not None and list_bytes(loop.outputs[index])
             != op_kinds.tensor_bytes(loop.outputs[index]) for index, _, _ in written]
     body, cond = loop_chunks.loop_function(loop), loop_chunks.loop_function(loop, "cond")
-    return Loop(trip_count=loop_chunks.trip_count(loop), iteration_bytes=stacked,
+    return Loop(trip_count=loop_chunks.planned_trips(loop), iteration_bytes=stacked,
                 written_bytes=sum(size for (_, size, _), known in zip(written, seen)
                                   if not known),
                 stacked_items=tuple((loop.outputs[index].name, size)

@@ -24,8 +24,7 @@ loop is then rerun as a chain of chunks instead (`why_not`).
 from __future__ import annotations
 
 import dataclasses
-import math
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Union
 
 import tensorflow as tf
 
@@ -38,12 +37,29 @@ _PASS_THROUGH = ("Identity",)
 
 
 @dataclasses.dataclass(frozen=True)
+class Layout:
+    """A chunked loop's `count` chunks of `size` iterations over its `bound`
+    (its maximum_iterations): ints known now, or scalar tensors computed
+    from a bound known only at run time."""
+
+    count: int
+    size: Union[int, tf.Tensor]
+    bound: Union[int, tf.Tensor]
+
+    def limit(self, chunk: int, dtype: tf.DType):
+        """Iterations chunk `chunk` runs at most (its `maximum_iterations`):
+        `size`, less for the last; none for a chunk past a run-time bound."""
+        start = chunk * self.size
+        if isinstance(self.bound, int) and isinstance(self.size, int):
+            return tf.constant(min(self.size, self.bound - start), dtype)
+        return tf.cast(tf.clip_by_value(self.bound - start, 0, self.size), dtype)
+
+
+@dataclasses.dataclass(frozen=True)
 class Recording:
     """What `record` did to a loop, for the chunks that read it."""
 
-    size: int                # k: iterations per chunk
-    bound: int               # T: the loop's maximum_iterations
-    count: int               # ceil(T / k): chunks, and slots in use
+    layout: Layout           # its chunks: slots in use, iterations between them
     attrs: dict              # the loop's attributes before (chunks copy these)
     dtypes: List[tf.DType]   # its output dtypes before
     saved: Dict[int, int]    # carried input index -> index of the loop output listing it
@@ -66,7 +82,7 @@ def template(loop: tf.Operation):
     return dict(loop.node_def.attr), [t.dtype for t in loop.outputs]
 
 
-def why_not(loop: tf.Operation, bound: int) -> Optional[str]:
+def why_not(loop: tf.Operation) -> Optional[str]:
     """Why `loop` cannot save its chunk boundaries, or None if it can."""
     if recording(loop) is not None:
         return None
@@ -90,23 +106,27 @@ def why_not(loop: tf.Operation, bound: int) -> Optional[str]:
     return None
 
 
-def record(loop: tf.Operation, size: int, bound: int) -> Recording:
-    """Makes `loop` save its carried state every `size` iterations (see the
-    module docstring); returns how. Call only when `why_not` is None."""
+def record(loop: tf.Operation, layout: Layout) -> Recording:
+    """Makes `loop` save its carried state at the start of each chunk of
+    `layout` (see the module docstring); returns how.
+    Call only when `why_not` is None."""
     found = recording(loop)
     if found is not None:
         return found
-    count = math.ceil(bound / size)
+    size, count = layout.size, layout.count
     body, cond = fresh_function(loop, "body"), fresh_function(loop, "cond")
     saved = [i for i in range(2, len(loop.inputs)) if _kind(body, i) == "saved"]
     attrs, dtypes = template(loop)
     first_output = len(loop.outputs)
-    lists = [_initial_list(loop, body.inputs[i], loop.inputs[i], count + 1) for i in saved]
+    new_inputs = [_initial_list(loop, body.inputs[i], loop.inputs[i], count + 1)
+                  for i in saved]
+    if isinstance(size, tf.Tensor):  # the body reads it as an invariant of its own
+        new_inputs.append(tf.cast(size, loop.inputs[_COUNTER].dtype))
     _add_list_writes(body, saved, size, count)
     with cond.as_default():
-        cond.inputs.extend(tf.compat.v1.placeholder(tf.variant, []) for _ in saved)
-    compat.add_loop_outputs(loop, cond, body, lists)
-    found = Recording(size, bound, count, attrs, dtypes,
+        cond.inputs.extend(tf.compat.v1.placeholder(t.dtype, []) for t in new_inputs)
+    compat.add_loop_outputs(loop, cond, body, new_inputs)
+    found = Recording(layout, attrs, dtypes,
                       {i: first_output + n for n, i in enumerate(saved)})
     loop._memory_saving_recording = found  # pylint: disable=protected-access
     return found
@@ -122,12 +142,13 @@ def saved_state(loop: tf.Operation, found: Recording, index: int, chunk: int) ->
     """
     dtype = loop.inputs[index].dtype
     ran = loop.outputs[_COUNTER]
-    last_written = tf.maximum(ran - 1, 0) // found.size
+    size = tf.cast(found.layout.size, ran.dtype)
+    last_written = tf.maximum(ran - 1, 0) // size
     slot = tf.minimum(tf.constant(chunk, ran.dtype), last_written)
     value = tf.raw_ops.TensorListGetItem(
         input_handle=loop.outputs[found.saved[index]], index=slot,
         element_shape=_shape_tensor(loop.inputs[index].shape), element_dtype=dtype)
-    started = tf.constant(chunk * found.size, ran.dtype) < ran
+    started = tf.constant(chunk, ran.dtype) * size < ran
     return tf.where(started, value, loop.outputs[index])
 
 
@@ -190,16 +211,23 @@ def _only_written(handle) -> bool:
 
 def _add_list_writes(body, saved, size, count):
     """Body: each saved input also goes into its list, at slot i // size on
-    chunk starts and at the spare slot `count` otherwise."""
+    chunk starts and at the spare slot `count` otherwise. A `size` tensor is
+    read from an input after the lists' (an invariant: returned as given)."""
     with body.as_default():
         step = body.inputs[_COUNTER]
+        handles = [tf.compat.v1.placeholder(tf.variant, []) for _ in saved]
+        body.inputs.extend(handles)
+        carried = isinstance(size, tf.Tensor)
+        if carried:
+            size = tf.compat.v1.placeholder(step.dtype, [])
+            body.inputs.append(size)
         starts = tf.equal(tf.math.floormod(step, size), 0)
         slot = tf.where(starts, tf.math.floordiv(step, size), tf.constant(count, step.dtype))
-        for index in saved:
-            handle = tf.compat.v1.placeholder(tf.variant, [])
-            body.inputs.append(handle)
-            body.outputs.append(tf.raw_ops.TensorListSetItem(
-                input_handle=handle, index=slot, item=body.inputs[index]))
+        body.outputs.extend(tf.raw_ops.TensorListSetItem(
+            input_handle=handle, index=slot, item=body.inputs[index])
+            for handle, index in zip(handles, saved))
+        if carried:
+            body.outputs.append(size)
 
 
 def _initial_list(loop, inside, value, slots):

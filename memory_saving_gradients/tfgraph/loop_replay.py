@@ -29,15 +29,14 @@ def replay_gradients(loop: tf.Operation, found: loop_recording.Recording,
     them), given `grads` of the loop's outputs (as many as `inputs`); the
     last chunk's rerun waits for the gradients `after` too."""
     grads = list(grads)
-    for chunk in reversed(range(found.count)):
-        start = chunk * found.size
-        limits = [tf.constant(0, inputs[0].dtype),
-                  tf.constant(min(found.size, found.bound - start), inputs[0].dtype)]
+    chunks = found.layout
+    for chunk in reversed(range(chunks.count)):
+        limits = [tf.constant(0, inputs[0].dtype), chunks.limit(chunk, inputs[0].dtype)]
         grads = loop_rerun.differentiate_rerun(
             loop.graph, _chunk_inputs(loop, found, list(inputs), chunk, limits), grads,
             lambda chunk_inputs: loop_rerun.copy_while(
                 loop, chunk_inputs, one_at_a_time=True).outputs,
-            after if chunk == found.count - 1 else ())
+            after if chunk == chunks.count - 1 else ())
         if not any(g is not None for g in grads):
             break  # the earlier chunks get none either
     return grads
@@ -67,7 +66,7 @@ def _saved_state(loop, found, index, chunk, carried):
     value = loop_recording.saved_state(loop, found, index, chunk)
     read = tf.identity_n([value] + list(carried))
     compat.set_gradient_override(read[0].op, SAVED_STATE_GRADIENT)
-    saved = (loop, index, chunk * found.size)
+    saved = (loop, index, chunk * found.layout.size)
     read[0].op._memory_saving_saved = saved  # pylint: disable=protected-access
     return read[0]
 
@@ -88,7 +87,7 @@ def _saved_state_gradient(read, grad, *_, after):
     grads = [None] * (2 + len(carried))
     grads[index] = grad
     found = loop_rerun.differentiate_rerun(
-        read.graph, [tf.constant(0, dtype), tf.constant(start, dtype)] + carried, grads,
+        read.graph, [tf.constant(0, dtype), tf.cast(start, dtype)] + carried, grads,
         lambda inputs: loop_rerun.copy_while(loop, inputs, one_at_a_time=True).outputs,
         after)
     return [None] + found[2:]
