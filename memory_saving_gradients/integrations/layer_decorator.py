@@ -221,6 +221,8 @@ def _call_as_segment(call: Callable, layer: keras.layers.Layer, args: tuple,
                    if _is_differentiable_input(t)]
 
         def gradient(*output_grads, variables: Optional[list] = None):
+            output_grads = [None if _filled_in(g, result) else g
+                            for g, result in zip(output_grads, boundary)]
             grads = _recomputed_gradients(graph, outputs, body_ops, inputs, variables or [],
                                           output_grads)
             input_grads = _after_weight_gradients(grads[:len(inputs)], grads[len(inputs):])
@@ -230,6 +232,7 @@ def _call_as_segment(call: Callable, layer: keras.layers.Layer, args: tuple,
 
     body, body_linear = [], []
     results = segment(*[leaves[i] for i in slots])
+    boundary = list(results)  # what the layer returns, as its gradient is built
     if not all(body_linear):
         # A second order through the boundary would reach the override in two
         # parts (through our gradient's copies and through the boundary's own
@@ -279,7 +282,7 @@ def _recomputed_gradients(graph, outputs, body_ops: list, inputs: tuple, variabl
     # Outputs that depend on no x (constants, ints) get no gradient through.
     reached = _reached_from(xs, body_ops)
     pairs = [(y, g) for y, g in zip(tf.nest.flatten(outputs), output_grads)
-             if id(y) in reached and y.dtype.is_floating and not _filled_in(g, y)]
+             if id(y) in reached and y.dtype.is_floating and g is not None]
     grads = [None] * len(xs)
     ys, grad_ys = [y for y, _ in pairs], [g for _, g in pairs]
     if pairs and compat.any_tape_recording():
@@ -299,27 +302,34 @@ def _recomputed_gradients(graph, outputs, body_ops: list, inputs: tuple, variabl
                                   for handle, ops in readers]
 
 
-def _filled_in(grad, output) -> bool:
-    """True if `grad` is None or the zeros TensorFlow made for `output`
-    because nothing the loss reads depends on it.
+# Readers of an output through which no gradient comes back (tf.gradients'
+# own zeros among them).
+_NO_GRADIENT_READERS = frozenset({"ZerosLike", "StopGradient", "PreventGradient"})
+
+
+def _filled_in(grad, result: tf.Tensor) -> bool:
+    """True if `grad`, the gradient of the layer's output `result`, is None
+    or zeros TensorFlow made because no op reads `result`.
 
     `tf.custom_gradient` hands its gradient function such zeros for unread
-    outputs (tf.gradients: `ZerosLike(output)`; a tape: a zero constant, or a
+    outputs (tf.gradients: a `ZerosLike`; a tape: a zero constant, or a
     `Fill` of one for large shapes). Left out, a weight or input only they
     reach gets None, as without the decorator, so an optimizer skips it
     instead of applying a zero gradient (momentum and weight decay would
-    still move the weight). Dropping zeros changes no value.
+    still move the weight). Zeros for an output something differentiable
+    reads are a real gradient (`tf.sign`'s is zeros): kept, as the
+    undecorated layer's zeros.
+    Read on the layer's own output: a copy the rewrite outside recomputes
+    has the readers it copied. Dropping zeros changes no value.
     """
     if grad is None:
         return True
-    if not isinstance(grad, tf.Tensor):
+    if not isinstance(grad, tf.Tensor) or any(
+            reader.type not in _NO_GRADIENT_READERS for reader in result.consumers()):
         return False
     op = grad.op
     if op.type == "ZerosLike":
-        # Of the boundary's IdentityN output passing `output` through.
-        of = op.inputs[0]
-        return of is output or (of.op.type == "IdentityN"
-                                and of.op.inputs[of.value_index] is output)
+        return True
     if op.type == "Fill":
         return _all_zeros(op.inputs[1])
     return op.type == "Const" and _all_zeros(grad)
