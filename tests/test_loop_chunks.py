@@ -190,6 +190,28 @@ def test_a_maximum_iterations_known_at_run_time_is_chunked(runtime_chunks, given
         assert (recorded, len(reruns)) == (1, 3)
 
 
+def test_a_bound_known_at_run_time_under_xla_is_rerun_whole(runtime_chunks):
+    """XLA compiles such a bound as a constant, and the chunks past it (given
+    no iteration) failed to compile: the loop is rerun whole there."""
+    runtime_chunks(3)
+    w = tf.Variable(_normal((4, 4), 0.5, seed=1))
+    x = tf.constant(_normal((2, 4), 1.0))
+
+    def step(differentiate):
+        def run(x, n):
+            _, h = tf.while_loop(lambda t, h: t < 10,
+                                 lambda t, h: (t + 1, tf.tanh(h @ w) + 0.5 * h),
+                                 [tf.constant(0), x], maximum_iterations=n)
+            return differentiate(tf.reduce_sum(tf.square(tf.sin(h))), [x, w])
+        return tf.function(run, jit_compile=True)
+
+    ours = step(lambda y, xs: msg.gradients(y, xs, checkpoints="memory"))
+    n = tf.constant(7)
+    for mine, theirs in zip(ours(x, n), step(stock_gradients)(x, n)):
+        np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-6)
+    assert _loop_runs(ours.get_concrete_function(x, n).graph)[0] == 0
+
+
 def test_a_chain_of_chunks_with_a_bound_known_at_run_time(runtime_chunks):
     """Where the forward loop cannot save its states (tf.gradients already
     differentiated it), the chain of chunks is laid out at run time too."""
@@ -648,8 +670,9 @@ def _saved_state_reads(graph):
 
 def _second_order_case(case):
     """(loss of w, w) for `case`: a loop chunked by ours where it is
-    ('in place', 'stopped early', 'autograph': no maximum_iterations) or
-    recomputed by the plan from its forward outputs ('copied')."""
+    ('in place', 'stopped early', 'autograph': no maximum_iterations, 'bound
+    at run time': read from a variable) or recomputed by the plan from its
+    forward outputs ('copied')."""
     rng = np.random.default_rng(0)
     w = tf.Variable(rng.normal(size=(8, 8)).astype(np.float32) * 0.3)
     x = tf.constant(rng.normal(size=(4, 8)).astype(np.float32))
@@ -657,10 +680,15 @@ def _second_order_case(case):
         rnn = _Rnn(1)
         return lambda: rnn(tf.constant(_normal((2, 7, 3))))[0], [rnn.w, rnn.u]
 
+    length = tf.Variable(16)
+
     def loss():
         if case == "in place":
             h = tf.while_loop(lambda h: True, lambda h: tf.tanh(h @ w), [x],
                               maximum_iterations=16)[0]
+        elif case == "bound at run time":
+            h = tf.while_loop(lambda h: True, lambda h: tf.tanh(h @ w), [x],
+                              maximum_iterations=length.read_value())[0]
         elif case == "stopped early":  # after 9 iterations, in its third chunk
             h = tf.while_loop(lambda h: tf.reduce_sum(h * h) < 60.0,
                               lambda h: tf.tanh(h @ w) + h, [x], maximum_iterations=16)[0]
@@ -674,13 +702,15 @@ def _second_order_case(case):
 
 @pytest.mark.parametrize("case,jit", [
     ("in place", False), ("stopped early", False), ("autograph", False), ("copied", False),
-    pytest.param("in place", True, marks=pytest.mark.slow)])
-def test_a_second_order_through_replayed_chunks_matches_tf_gradients(chunk_size, case, jit):
+    ("bound at run time", False), pytest.param("in place", True, marks=pytest.mark.slow)])
+def test_a_second_order_through_replayed_chunks_matches_tf_gradients(chunk_size, runtime_chunks,
+                                                                     case, jit):
     # A gradient penalty over our gradients of a loop replayed from the states
     # its forward pass saved: differentiated through the recording lists it
     # came out 19% off (and was refused since); a saved state's gradient now
     # reruns the iterations before its chunk.
     chunk_size(4)
+    runtime_chunks(3)  # of 6, 6 and 4 iterations
     loss, weights = _second_order_case(case)
 
     def second_order(differentiate):

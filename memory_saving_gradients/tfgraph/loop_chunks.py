@@ -128,9 +128,15 @@ def condition_trips(loop: tf.Operation) -> Optional[int]:
 
 def bounded_at_run_time(loop: tf.Operation) -> bool:
     """True if the loop was built with a `maximum_iterations` not known now
-    (its condition reads it): a tensor computed when the step runs."""
+    (its condition reads it): a tensor computed when the step runs.
+
+    Not under XLA, which compiles such a bound as a constant: chunks past it,
+    given no iteration, failed to compile ("Update dim size 1 greater than
+    dynamic slice dimension: 0"); those loops are rerun whole.
+    """
     if (static_values.static_value(loop.inputs[_BOUND]) is not None
-            or getattr(loop, "_memory_saving_stops_at", None) is not None):
+            or getattr(loop, "_memory_saving_stops_at", None) is not None
+            or compat.in_xla_context(loop.graph)):
         return False
     cond = loop_function(loop, "cond")
     return cond is not None and bool(cond.inputs[_BOUND].consumers())
