@@ -190,6 +190,36 @@ def test_a_maximum_iterations_known_at_run_time_is_chunked(runtime_chunks, given
         assert (recorded, len(reruns)) == (1, 3)
 
 
+@pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+def test_keras_rnn_over_sequences_of_unknown_length(runtime_chunks, kind):
+    """A step traced with a None time dimension: the Keras loop's
+    maximum_iterations is the sequence length, read when the step runs. One
+    trace serves 1, 5 and 11 steps, each laid out in 4 chunks."""
+    runtime_chunks(4)
+    tf.keras.utils.set_random_seed(0)
+    layer = getattr(tf.keras.layers, kind)(6, return_sequences=True)
+    layer.build((None, None, 3))
+    signature = [tf.TensorSpec([None, None, 3], tf.float32)]
+
+    def step(differentiate):
+        @tf.function(input_signature=signature)
+        def run(x):
+            hs = layer(x)
+            return differentiate(tf.reduce_sum(tf.square(hs)) + tf.reduce_sum(hs[:, -1]),
+                                 [x] + layer.trainable_weights)
+        return run
+
+    ours = step(lambda y, xs: msg.gradients(y, xs, checkpoints="memory"))
+    stock = step(stock_gradients)
+    for steps in [1, 5, 11]:
+        x = tf.constant(_normal((2, steps, 3), seed=steps))
+        for mine, theirs in zip(ours(x), stock(x)):
+            np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-6)
+    # Its level reruns it; it writes a TensorArray of run-time length, so as a
+    # chain of 4 chunks (`_forward_outputs_too_big`), all but the last ours.
+    assert len(_chunk_loops(ours.get_concrete_function(*signature).graph)) == 3
+
+
 def test_a_bound_known_at_run_time_under_xla_is_rerun_whole(runtime_chunks):
     """XLA compiles such a bound as a constant, and the chunks past it (given
     no iteration) failed to compile: the loop is rerun whole there."""
