@@ -220,6 +220,55 @@ def test_keras_rnn_over_sequences_of_unknown_length(runtime_chunks, kind):
     assert len(_chunk_loops(ours.get_concrete_function(*signature).graph)) == 3
 
 
+def _counted_at_run_time(form, x, n, w):
+    """AutoGraph's loops (no maximum_iterations) whose count is known only
+    when the step runs: over `tf.range(n)`, over the time axis of `x` (of
+    unknown length), `while t < n`, and a uint8 counter stepped by 100 below
+    n = 250 that wraps around and runs on (its count cannot be trusted)."""
+    h = x[:, 0]
+    if form == "range":
+        for t in tf.range(n):
+            h = tf.tanh(h @ w) + x[:, t]
+    elif form == "over a tensor":
+        for x_t in tf.transpose(x, [1, 0, 2]):
+            h = tf.tanh(h @ w) + x_t
+    elif form == "while":
+        t = 0
+        while t < n:
+            h = tf.tanh(h @ w) + x[:, t]
+            t += 1
+    else:
+        t, limit = tf.constant(0, tf.uint8), tf.cast(n, tf.uint8)
+        while t < limit:
+            h = tf.tanh(h @ w) + x[:, tf.cast(t, tf.int32) % 9]
+            t += tf.constant(100, tf.uint8)
+    return tf.reduce_sum(tf.square(h))
+
+
+@pytest.mark.parametrize("form", ["range", "over a tensor", "while", "wrapping counter"])
+def test_a_count_its_condition_makes_at_run_time_is_chunked(runtime_chunks, form):
+    """One trace serves every n: 3 chunks of ceil(n / 3) iterations, sized
+    when the step runs. The wrapping counter's chunks are given every
+    iteration (its first chunk runs all 23)."""
+    runtime_chunks(3)
+    w = tf.Variable(_normal((4, 4), 0.5, seed=1))
+    signature = [tf.TensorSpec([2, None, 4], tf.float32), tf.TensorSpec([], tf.int32)]
+
+    def step(differentiate):
+        return tf.function(lambda x, n: differentiate(_counted_at_run_time(form, x, n, w),
+                                                      [x, w]), input_signature=signature)
+
+    ours = step(lambda y, xs: msg.gradients(y, xs, checkpoints="memory"))
+    stock = step(stock_gradients)
+    for count in ([250] if form == "wrapping counter" else [0, 1, 2, 4, 9]):
+        length = 9 if form != "over a tensor" else max(count, 1)
+        x = tf.constant(_normal((2, length, 4), 0.5, seed=count))
+        for mine, theirs in zip(ours(x, tf.constant(count)), stock(x, tf.constant(count))):
+            np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-6)
+    recorded, reruns = _loop_runs(ours.get_concrete_function(*signature).graph)
+    assert (recorded, len(reruns)) == (1, 3)
+
+
 def test_a_bound_known_at_run_time_under_xla_is_rerun_whole(runtime_chunks):
     """XLA compiles such a bound as a constant, and the chunks past it (given
     no iteration) failed to compile: the loop is rerun whole there."""

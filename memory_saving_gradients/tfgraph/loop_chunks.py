@@ -35,14 +35,16 @@ condition is first made to test the counter against a `maximum_iterations`
 input that is not negative (`_stop_at_bound`), which leaves the forward
 loop's run as it was.
 
-A loop whose `maximum_iterations` is known only at run time (a Keras RNN over
-sequences of unknown length, `tf.while_loop(..., maximum_iterations=n)` with
-a tensor n) is laid out in `RUNTIME_CHUNKS` chunks of ceil(T / RUNTIME_CHUNKS)
-iterations, computed from T when the step runs (`layout`). Any other loop is
+A loop whose bound is known only at run time (a Keras RNN over sequences of
+unknown length, `tf.while_loop(..., maximum_iterations=n)` with a tensor n,
+AutoGraph's `for t in tf.range(tf.shape(x)[1])`: `bounded_at_run_time`) is
+laid out in `RUNTIME_CHUNKS` chunks of ceil(T / RUNTIME_CHUNKS) iterations,
+T computed when the step runs (`layout`, `run_time_trips`). Any other loop is
 rerun whole.
 """
 
 import contextlib
+import dataclasses
 import logging
 from typing import Iterable, Iterator, List, Optional, Sequence, Tuple
 
@@ -122,24 +124,39 @@ def condition_trips(loop: tf.Operation) -> Optional[int]:
     counter with a limit known now (`i < n`, `i <= n`, `n > i`, ...; either
     side of a logical and), the counter starting at a known value and the
     body adding a known positive step to it; else None."""
-    found = [count for count in _condition_counts(loop) if count is not None]
+    found = [count.known_trips(loop) for count in _bound_facts(loop).counts
+             if count is not None]
+    found = [trips for trips in found if trips is not None]
     return min(found) if found else None
 
 
 def bounded_at_run_time(loop: tf.Operation) -> bool:
-    """True if the loop was built with a `maximum_iterations` not known now
-    (its condition reads it): a tensor computed when the step runs.
+    """True if the loop's trip count is known only when it runs: its
+    `maximum_iterations` is a tensor computed then, or, built without one,
+    every test of its condition counts a counter to a limit and some limit
+    or start is such a tensor (`for t in tf.range(tf.shape(x)[1])`).
 
     Not under XLA, which compiles such a bound as a constant: chunks past it,
     given no iteration, failed to compile ("Update dim size 1 greater than
     dynamic slice dimension: 0"); those loops are rerun whole.
     """
-    if (static_values.static_value(loop.inputs[_BOUND]) is not None
-            or getattr(loop, "_memory_saving_stops_at", None) is not None
-            or compat.in_xla_context(loop.graph)):
+    if compat.in_xla_context(loop.graph) or trip_bound(loop) is not None:
         return False
-    cond = loop_function(loop, "cond")
-    return cond is not None and bool(cond.inputs[_BOUND].consumers())
+    facts = _bound_facts(loop)
+    if facts.built_with_maximum_iterations:
+        return static_values.static_value(loop.inputs[_BOUND]) is None
+    return (facts.built_with_maximum_iterations is False and bool(facts.counts)
+            and None not in facts.counts and chunk_bound(loop) is None)
+
+
+def run_time_trips(loop: tf.Operation, inputs: Sequence[tf.Tensor]) -> tf.Tensor:
+    """The iterations a loop `bounded_at_run_time` runs at most, as an int32
+    tensor of `inputs` (the loop's, or a copy's)."""
+    facts = _bound_facts(loop)
+    if facts.built_with_maximum_iterations:
+        return tf.maximum(tf.cast(inputs[_BOUND], tf.int32), 0)
+    counts = [count.trips(inputs) for count in facts.counts]
+    return counts[0] if len(counts) == 1 else tf.reduce_min(tf.stack(counts))
 
 
 def chunk_bound(loop: tf.Operation) -> Optional[int]:
@@ -155,23 +172,81 @@ def chunk_bound(loop: tf.Operation) -> Optional[int]:
     bound = trip_bound(loop)
     if bound is not None:
         return bound
-    stopped = getattr(loop, "_memory_saving_stops_at", None)
-    if stopped is not None:  # our test of the bound is now part of its condition
-        return stopped
-    cond = loop_function(loop, "cond")
-    if cond is None or cond.inputs[_BOUND].consumers():  # built with maximum_iterations
+    facts = _bound_facts(loop)
+    if facts.built_with_maximum_iterations is not False or not facts.counts:
         return None
-    counts = _condition_counts(loop)
-    return min(counts) if counts and None not in counts else None
+    known = [None if count is None else count.known_trips(loop) for count in facts.counts]
+    return None if None in known else min(known)
 
 
-def _condition_counts(loop) -> list:
+@dataclasses.dataclass(frozen=True)
+class _Count:
+    """A test of a loop's condition comparing a carried counter with a limit.
+
+    The counter is loop input `counter`, stepped by `step` (> 0) each
+    iteration; the limit is `limit`, known now, or else loop input
+    `limit_input`, an invariant; `inclusive` for `<=` and `>=`.
+    """
+
+    counter: int
+    step: int
+    inclusive: bool
+    limit: Optional[np.ndarray]
+    limit_input: Optional[int]
+    dtype: tf.DType
+
+    def known_trips(self, loop: tf.Operation) -> Optional[int]:
+        """The iterations it allows, if its start and limit are known now."""
+        start = static_values.static_value(loop.inputs[self.counter])
+        limit = (self.limit if self.limit_input is None
+                 else static_values.static_value(loop.inputs[self.limit_input]))
+        if start is None or limit is None or np.ndim(start) or np.ndim(limit):
+            return None
+        span = int(limit) - int(start) + (1 if self.inclusive else 0)
+        trips = max(-(-span // self.step), 0)
+        # Counted only where the counter's last value fits its dtype (a uint8
+        # stepped past 255 wraps around, and runs on).
+        return trips if int(start) + trips * self.step <= self.dtype.max else None
+
+    def trips(self, inputs: Sequence[tf.Tensor]) -> tf.Tensor:
+        """The iterations it allows, as an int32 tensor of `inputs`; int32's
+        largest where the counter would wrap around first (the loop may
+        then run on: its first chunk is given every iteration)."""
+        start = tf.cast(inputs[self.counter], tf.int64)
+        limit = tf.cast(self.limit if self.limit_input is None else inputs[self.limit_input],
+                        tf.int64)
+        span = limit - start + (1 if self.inclusive else 0)
+        trips = tf.maximum(-(-span // self.step), 0)
+        most = tf.constant(tf.int32.max, tf.int64)
+        runs_on = (start + trips * self.step > self.dtype.max) | (trips > most)
+        return tf.cast(tf.where(runs_on, most, trips), tf.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class _BoundFacts:
+    """How a loop is bounded, read from its functions as built (cached on
+    the op: `_stop_at_bound` then changes its condition)."""
+
+    built_with_maximum_iterations: Optional[bool]  # None: its functions cannot be read
+    counts: tuple  # per test of its condition (the sides of logical ands): a _Count or None
+
+
+def _bound_facts(loop: tf.Operation) -> _BoundFacts:
+    found = getattr(loop, "_memory_saving_bound_facts", None)
+    if found is None:
+        cond, body = loop_function(loop, "cond"), loop_function(loop)
+        if cond is None or body is None:
+            found = _BoundFacts(None, ())
+        else:
+            found = _BoundFacts(bool(cond.inputs[_BOUND].consumers()),
+                                tuple(_condition_counts(loop, cond, body)))
+        loop._memory_saving_bound_facts = found  # pylint: disable=protected-access
+    return found
+
+
+def _condition_counts(loop, cond, body) -> list:
     """For each test the loop's condition makes (the sides of its logical
-    ands), the iterations it allows: an int where it compares a counter
-    (`_compared_trips`), else None."""
-    cond, body = loop_function(loop, "cond"), loop_function(loop)
-    if cond is None or body is None:
-        return []
+    ands), a _Count where it compares a counter (`_compared`), else None."""
     tests = [loop_recording.passed_through(cond.outputs[0])]
     found = []
     while tests:
@@ -179,14 +254,16 @@ def _condition_counts(loop) -> list:
         if test.op.type == "LogicalAnd":
             tests.extend(loop_recording.passed_through(t) for t in test.op.inputs)
         elif test.op.type in _COMPARISONS:
-            found.append(_compared_trips(loop, cond, body, test.op))
+            found.append(_compared(loop, cond, body, test.op))
         else:
             found.append(None)
     return found
 
 
-def _compared_trips(loop, cond, body, comparison) -> Optional[int]:
-    """Iterations `comparison` (in `cond`) allows, as `condition_trips` says."""
+def _compared(loop, cond, body, comparison) -> Optional[_Count]:
+    """`comparison` (in `cond`) as a _Count, or None if it does not compare a
+    carried integer counter stepped by a known positive value with a limit
+    known now or invariant in the loop."""
     counter_first, inclusive = _COMPARISONS[comparison.type]
     counter, limit = (comparison.inputs if counter_first else reversed(comparison.inputs))
     arguments = [t.ref() for t in cond.inputs]
@@ -196,16 +273,20 @@ def _compared_trips(loop, cond, body, comparison) -> Optional[int]:
     index = arguments.index(counter.ref())
     if index <= _BOUND:  # while_v2's own counter: bounded by maximum_iterations
         return None
-    start = static_values.static_value(loop.inputs[index])
     step = _step(loop, body, index)
-    limit = _invariant_value(loop, body, cond, loop_recording.passed_through(limit))
-    if start is None or step is None or limit is None or np.ndim(start) or np.ndim(limit):
+    limit = loop_recording.passed_through(limit)
+    limit_input, value = None, None
+    if limit.ref() in arguments:
+        limit_input = arguments.index(limit.ref())
+        if not loop_recording.is_invariant(body, limit_input):
+            return None
+    else:
+        value = tf.get_static_value(limit)
+        if value is None or np.ndim(value):
+            return None
+    if step is None:
         return None
-    span = int(limit) - int(start) + (1 if inclusive else 0)
-    trips = max(-(-span // step), 0)
-    # Counted only where the counter's last value fits its dtype (a uint8
-    # stepped past 255 wraps around, and runs on).
-    return trips if int(start) + trips * step <= counter.dtype.max else None
+    return _Count(index, step, inclusive, value, limit_input, counter.dtype)
 
 
 def _step(loop, body, index) -> Optional[int]:
@@ -256,10 +337,11 @@ def chunking(loop: tf.Operation) -> Tuple[Optional[int], str]:
     None means the loop is rerun whole."""
     bound = chunk_bound(loop)
     if bound is None and bounded_at_run_time(loop):
+        source = ("its maximum_iterations" if _bound_facts(loop).built_with_maximum_iterations
+                  else "counted from its condition")
         return RUNTIME_CHUNKS, (
             f"rerun in {RUNTIME_CHUNKS} chunks of ceil(T / {RUNTIME_CHUNKS}) iterations, T "
-            f"its maximum_iterations known at run time (planned as if "
-            f"{planned_trips(loop)})")
+            f"{source} when the step runs (planned as if {planned_trips(loop)})")
     if bound is None:
         return None, ("rerun whole: its trip count is not known when the gradient is "
                       "built (no maximum_iterations, and its condition does not only "
@@ -271,14 +353,14 @@ def chunking(loop: tf.Operation) -> Tuple[Optional[int], str]:
     return size, f"rerun in chunks of {size} of its at most {bound} iterations{counted}"
 
 
-def layout(loop: tf.Operation, size: int, bound: tf.Tensor) -> loop_recording.Layout:
-    """The chunks of `loop`, chunked in `size`s by `chunking`, given `bound`,
-    the maximum_iterations input of the run to lay out (the loop's own, or a
-    copy's): for a loop bounded at run time, ops computing its size from it."""
+def layout(loop: tf.Operation, size: int, inputs: Sequence[tf.Tensor]) -> loop_recording.Layout:
+    """The chunks of `loop`, chunked in `size`s by `chunking`, for a run from
+    `inputs` (the loop's own, or a copy's): for a loop bounded at run time,
+    ops computing its chunk size from them."""
     if not bounded_at_run_time(loop):
         return loop_recording.Layout(_chunk_count(loop, size), size, chunk_bound(loop))
     with loop.graph.control_dependencies(None), tf.device(loop.device or None):
-        iterations = tf.maximum(bound, 0)
+        iterations = run_time_trips(loop, inputs)
         return loop_recording.Layout(
             RUNTIME_CHUNKS, tf.maximum(-(-iterations // RUNTIME_CHUNKS), 1), iterations)
 
@@ -293,17 +375,16 @@ def _stop_at_bound(loop: tf.Operation) -> None:
     the forward loop's own -1 changes nothing, and a chunk's copy given k
     stops after k iterations. Once per loop; before its states are recorded,
     so the recording's and the chunks' attributes carry it."""
-    if (trip_bound(loop) is not None or bounded_at_run_time(loop)
-            or getattr(loop, "_memory_saving_stops_at", None) is not None):
+    if (_bound_facts(loop).built_with_maximum_iterations is not False
+            or getattr(loop, "_memory_saving_stops", False)):
         return
-    bound = chunk_bound(loop)
     cond = loop_recording.fresh_function(loop, "cond")
     with cond.as_default():
         counter, limit = cond.inputs[_COUNTER], cond.inputs[_BOUND]
         within = tf.logical_or(tf.less(limit, 0), tf.less(counter, limit))
         cond.outputs[0] = tf.logical_and(within, cond.outputs[0])
     compat.set_loop_condition(loop, cond)
-    loop._memory_saving_stops_at = bound  # pylint: disable=protected-access
+    loop._memory_saving_stops = True  # pylint: disable=protected-access
 
 
 def saves_states(loop: tf.Operation, size: int) -> Tuple[bool, bool]:
@@ -356,7 +437,7 @@ def _copy_in_chunks(loop, inputs, size, in_turn=False):
     loop, instead of one partial weight gradient per chunk waiting to be summed.
     """
     dtype = loop.inputs[_COUNTER].dtype
-    chunks = layout(loop, size, inputs[_BOUND])
+    chunks = layout(loop, size, inputs)
     _stop_at_bound(loop)
     state = inputs
     counters = [inputs[_COUNTER]]
@@ -434,7 +515,7 @@ def _recorded(loop, size, obstacle=lambda loop, size: None):
     _stop_at_bound(loop)
     if loop_recording.recording(loop) is not None:
         return loop_recording.recording(loop)
-    return loop_recording.record(loop, layout(loop, size, loop.inputs[_BOUND]))
+    return loop_recording.record(loop, layout(loop, size, loop.inputs))
 
 
 def _forward_outputs_too_big(loop, size):
