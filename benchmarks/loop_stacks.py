@@ -7,8 +7,9 @@ Each case is one recurrence over T=64 steps (batch 32, 256 units, 64 input
 features; the nested case 8 outer x 16 inner steps, batch 256, 64 units):
 the tanh loop also with its cell a called tf.function ("called"), with a
 tf.cond between it and a sigmoid cell ("cond"), without
-`maximum_iterations` ("unbounded"), and with one read from a variable when the
-step runs ("run_time_bound"), and Keras's GRU and LSTM also in a
+`maximum_iterations` ("unbounded"), with one read from a variable when the
+step runs ("run_time_bound"), and without one, its condition comparing with
+such a read ("run_time_count"), and Keras's GRU and LSTM also in a
 Bidirectional layer ("bidirectional_GRU", "bidirectional_LSTM"),
 differentiated by tf.gradients and by checkpoints='memory' in one
 tf.function step. For each, in a fresh subprocess: the activation memory
@@ -30,8 +31,9 @@ import sys
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 STEPS, BATCH, FEATURES, UNITS = 64, 32, 64, 256
-CASES = ("while_tanh", "called", "cond", "unbounded", "run_time_bound", "scan", "SimpleRNN",
-         "GRU", "LSTM", "bidirectional_GRU", "bidirectional_LSTM", "nested")
+CASES = ("while_tanh", "called", "cond", "unbounded", "run_time_bound", "run_time_count",
+         "scan", "SimpleRNN", "GRU", "LSTM", "bidirectional_GRU", "bidirectional_LSTM",
+         "nested")
 METHODS = ("tf.gradients", "memory")
 
 
@@ -51,16 +53,19 @@ def case(name):
                                         lambda: tf.sigmoid(h @ wh + x @ wx)),
         "unbounded": lambda i, h, x: cell(h, x),
         "run_time_bound": lambda i, h, x: cell(h, x),
+        "run_time_count": lambda i, h, x: cell(h, x),
     }
     length = tf.Variable(STEPS)
-    bounds = {"unbounded": lambda: None, "run_time_bound": length.read_value}
     if name in steps:
         def loss(xs):
             items = tf.TensorArray(tf.float32, STEPS).unstack(xs)
-            _, h = tf.while_loop(lambda i, h: i < STEPS,
+            bound, limit = {"unbounded": (None, STEPS),
+                            "run_time_bound": (length.read_value(), STEPS),
+                            "run_time_count": (None, length.read_value())}.get(
+                                name, (STEPS, STEPS))
+            _, h = tf.while_loop(lambda i, h: i < limit,
                                  lambda i, h: (i + 1, steps[name](i, h, items.read(i))),
-                                 [0, tf.zeros([BATCH, UNITS])],
-                                 maximum_iterations=bounds.get(name, lambda: STEPS)())
+                                 [0, tf.zeros([BATCH, UNITS])], maximum_iterations=bound)
             return tf.reduce_sum(h * h)
         return loss, [wh, wx], xs
     if name == "scan":  # the same cell, every h_t an output
