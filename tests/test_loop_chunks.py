@@ -269,6 +269,40 @@ def test_a_count_its_condition_makes_at_run_time_is_chunked(runtime_chunks, form
     assert (recorded, len(reruns)) == (1, 3)
 
 
+@pytest.mark.parametrize("bound", ["at run time", "known now"])
+def test_a_state_whose_shape_changes_is_replayed_as_it_was(runtime_chunks, chunk_size, bound):
+    """A carried state growing by a row per step (shape_invariants): a chunk
+    past the loop's end read its saved state through a select with the final
+    state, of another shape; it failed, or where a size was 1 broadcast
+    (a review; known-now bounds too, since session 39)."""
+    runtime_chunks(3)
+    chunk_size(3)
+    w = tf.Variable(_normal((4, 4), 0.5, seed=1))
+    x = tf.constant(_normal((2, 4), 1.0))
+
+    def step(differentiate):
+        @tf.function
+        def run(x, n):
+            def body(t, h, rows):
+                h = tf.tanh(h @ w) + 0.5 * h
+                return t + 1, h, tf.concat([rows, h], 0)
+            _, h, rows = tf.while_loop(
+                lambda t, h, rows: t < 6, body, [tf.constant(0), x, x],
+                maximum_iterations=n if bound == "at run time" else 11,
+                shape_invariants=[tf.TensorShape([]), tf.TensorShape([2, 4]),
+                                  tf.TensorShape([None, 4])])
+            loss = tf.reduce_sum(tf.sin(rows) ** 2) + tf.reduce_sum(h)
+            return differentiate(loss, [x, w])
+        return run
+
+    ours = step(lambda y, xs: msg.gradients(y, xs, checkpoints="memory"))
+    stock = step(stock_gradients)
+    for count in [0, 1, 2, 5, 11]:
+        n = tf.constant(count)
+        for mine, theirs in zip(ours(x, n), stock(x, n)):
+            np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-6)
+
+
 def test_a_bound_known_at_run_time_under_xla_is_rerun_whole(runtime_chunks):
     """XLA compiles such a bound as a constant, and the chunks past it (given
     no iteration) failed to compile: the loop is rerun whole there."""
@@ -424,16 +458,18 @@ def test_keras_recurrent_layers(chunk_size):
     assert len(_chunk_loops(outcome.graph)) == 2 * len(layers)  # 3 + 3 + 1 steps each
 
 
-@pytest.mark.parametrize("bounded", [True, False, "at run time"])
+@pytest.mark.parametrize("bounded", [True, False, "at run time", "at run time, far above"])
 def test_long_loop_keeps_a_fraction_of_stock_memory(bounded):
     """T = 400 steps of a [16, 256] state: tf.gradients keeps every step's
     intermediates; chunks of 20 keep 20 states and one chunk's intermediates.
     The same where only the loop's condition bounds it, and where its
-    maximum_iterations is a tensor (16 chunks of 25)."""
+    maximum_iterations is a tensor (16 chunks of 25), also one far above
+    what the condition allows (a review: laid out over n = 100,000, all 400
+    iterations fell in one chunk)."""
     steps, batch, units = 400, 16, 256
     w = tf.Variable(_normal((units, units), 1.0 / np.sqrt(units), seed=5))
     x = tf.constant(_normal((batch, units), 0.5))
-    n = tf.constant(steps)
+    n = tf.constant(100_000 if bounded == "at run time, far above" else steps)
 
     def loss(x, n):
         _, h = tf.while_loop(
@@ -452,7 +488,7 @@ def test_long_loop_keeps_a_fraction_of_stock_memory(bounded):
 
     np.testing.assert_allclose(ours(x, n)[0], stock(x, n)[0], rtol=1e-4, atol=1e-6)
     graph = ours.get_concrete_function(x, n).graph
-    if bounded == "at run time":
+    if isinstance(bounded, str):
         recorded, reruns = _loop_runs(graph)
         assert (recorded, len(reruns)) == (1, loop_chunks.RUNTIME_CHUNKS)
     else:

@@ -151,12 +151,14 @@ def bounded_at_run_time(loop: tf.Operation) -> bool:
 
 def run_time_trips(loop: tf.Operation, inputs: Sequence[tf.Tensor]) -> tf.Tensor:
     """The iterations a loop `bounded_at_run_time` runs at most, as an int32
-    tensor of `inputs` (the loop's, or a copy's)."""
+    tensor of `inputs` (the loop's, or a copy's): the least of its
+    `maximum_iterations` and the counts of its condition's tests (a review:
+    `t < 400` given n = 100,000 was laid out over n, all 400 in one chunk)."""
     facts = _bound_facts(loop)
+    bounds = [count.trips(inputs) for count in facts.counts if count is not None]
     if facts.built_with_maximum_iterations:
-        return tf.maximum(tf.cast(inputs[_BOUND], tf.int32), 0)
-    counts = [count.trips(inputs) for count in facts.counts]
-    return counts[0] if len(counts) == 1 else tf.reduce_min(tf.stack(counts))
+        bounds.append(tf.maximum(tf.cast(inputs[_BOUND], tf.int32), 0))
+    return bounds[0] if len(bounds) == 1 else tf.reduce_min(tf.stack(bounds))
 
 
 def chunk_bound(loop: tf.Operation) -> Optional[int]:

@@ -149,7 +149,12 @@ def saved_state(loop: tf.Operation, found: Recording, index: int, chunk: int) ->
         input_handle=loop.outputs[found.saved[index]], index=slot,
         element_shape=_shape_tensor(loop.inputs[index].shape), element_dtype=dtype)
     started = tf.constant(chunk, ran.dtype) * size < ran
-    return tf.where(started, value, loop.outputs[index])
+    final = loop.outputs[index]
+    if final.shape.is_fully_defined() and final.shape == loop.inputs[index].shape:
+        return tf.where(started, value, final)
+    # A state whose shape may change (shape_invariants): the two may differ
+    # in shape, which a select refuses or, where a size is 1, broadcasts.
+    return tf.cond(started, lambda: value, lambda: final)
 
 
 def written_lists(loop: tf.Operation) -> List[tf.Tensor]:
