@@ -221,8 +221,9 @@ def _call_as_segment(call: Callable, layer: keras.layers.Layer, args: tuple,
                    if _is_differentiable_input(t)]
 
         def gradient(*output_grads, variables: Optional[list] = None):
-            output_grads = [None if _filled_in(g, result) else g
-                            for g, result in zip(output_grads, boundary)]
+            if boundary:  # a segment: its outputs are what the layer returns
+                output_grads = [None if _filled_in(g, result) else g
+                                for g, result in zip(output_grads, boundary)]
             grads = _recomputed_gradients(graph, outputs, body_ops, inputs, variables or [],
                                           output_grads)
             input_grads = _after_weight_gradients(grads[:len(inputs)], grads[len(inputs):])
@@ -231,8 +232,8 @@ def _call_as_segment(call: Callable, layer: keras.layers.Layer, args: tuple,
         return outputs, gradient
 
     body, body_linear = [], []
+    boundary = []
     results = segment(*[leaves[i] for i in slots])
-    boundary = list(results)  # what the layer returns, as its gradient is built
     if not all(body_linear):
         # A second order through the boundary would reach the override in two
         # parts (through our gradient's copies and through the boundary's own
@@ -254,6 +255,7 @@ def _call_as_segment(call: Callable, layer: keras.layers.Layer, args: tuple,
     # overrides are, so the segment may be recomputed (the probe cannot build
     # it off its graph).
     gradient_linearity.declare_linear(results)
+    boundary.extend(results)
     floats = iter(results)
     parts = []
     for made in tf.nest.flatten(body[0][0], expand_composites=True):
@@ -329,7 +331,9 @@ def _filled_in(grad, result: tf.Tensor) -> bool:
         return False
     op = grad.op
     if op.type == "ZerosLike":
-        return True
+        # Of the boundary's IdentityN output, or of a copy of it: not the
+        # planner's probe's stand-in for an output it does not read.
+        return op.inputs[0].op.type == "IdentityN"
     if op.type == "Fill":
         return _all_zeros(op.inputs[1])
     return op.type == "Const" and _all_zeros(grad)
