@@ -146,7 +146,9 @@ def bounded_at_run_time(loop: tf.Operation) -> bool:
     if facts.built_with_maximum_iterations:
         return static_values.static_value(loop.inputs[_BOUND]) is None
     return (facts.built_with_maximum_iterations is False and bool(facts.counts)
-            and None not in facts.counts and chunk_bound(loop) is None)
+            and all(count is not None and count.countable_at_run_time
+                    for count in facts.counts)
+            and chunk_bound(loop) is None)
 
 
 def run_time_trips(loop: tf.Operation, inputs: Sequence[tf.Tensor]) -> tf.Tensor:
@@ -155,7 +157,8 @@ def run_time_trips(loop: tf.Operation, inputs: Sequence[tf.Tensor]) -> tf.Tensor
     `maximum_iterations` and the counts of its condition's tests (a review:
     `t < 400` given n = 100,000 was laid out over n, all 400 in one chunk)."""
     facts = _bound_facts(loop)
-    bounds = [count.trips(inputs) for count in facts.counts if count is not None]
+    bounds = [count.trips(inputs) for count in facts.counts
+              if count is not None and count.countable_at_run_time]
     if facts.built_with_maximum_iterations:
         bounds.append(tf.maximum(tf.cast(inputs[_BOUND], tf.int32), 0))
     return bounds[0] if len(bounds) == 1 else tf.reduce_min(tf.stack(bounds))
@@ -197,6 +200,13 @@ class _Count:
     limit_input: Optional[int]
     dtype: tf.DType
 
+    @property
+    def countable_at_run_time(self) -> bool:
+        """True if `trips` is exact: its int64 arithmetic cannot overflow for
+        a counter of 32 bits or fewer (a review: 64-bit counters near their
+        limits gave a count too small, and wrong gradients)."""
+        return self.dtype.size <= 4
+
     def known_trips(self, loop: tf.Operation) -> Optional[int]:
         """The iterations it allows, if its start and limit are known now."""
         start = static_values.static_value(loop.inputs[self.counter])
@@ -213,7 +223,8 @@ class _Count:
     def trips(self, inputs: Sequence[tf.Tensor]) -> tf.Tensor:
         """The iterations it allows, as an int32 tensor of `inputs`; int32's
         largest where the counter would wrap around first (the loop may
-        then run on: its first chunk is given every iteration)."""
+        then run on: its first chunk is given every iteration). Exact only
+        where `countable_at_run_time`."""
         start = tf.cast(inputs[self.counter], tf.int64)
         limit = tf.cast(self.limit if self.limit_input is None else inputs[self.limit_input],
                         tf.int64)
