@@ -78,7 +78,7 @@ def test_loop_without_bound_counts_what_its_condition_allows_and_is_chunked():
 
 
 def test_trip_counts_a_condition_implies():
-    from memory_saving_gradients.tfgraph import loop_chunks
+    from memory_saving_gradients.tfgraph import loop_bounds
     h = tf.ones([2])
     unknown = tf.Variable(3)
     cases = [  # condition, body's counter, first value, maximum_iterations, trips
@@ -105,7 +105,7 @@ def test_trip_counts_a_condition_implies():
             return outputs
 
         loop.get_concrete_function()
-        assert loop_chunks.trip_count(found["op"]) == trips, (first, bound, trips)
+        assert loop_bounds.trip_count(found["op"]) == trips, (first, bound, trips)
 
     @tf.function
     def ranged(h):  # AutoGraph's loop: its step a loop invariant (counted 1 before)
@@ -115,7 +115,7 @@ def test_trip_counts_a_condition_implies():
 
     graph = ranged.get_concrete_function(tf.TensorSpec([2], tf.float32)).graph
     (loop,) = [op for op in graph.get_operations() if op.type in LOOP_OP_TYPES]
-    assert loop_chunks.trip_count(loop) == 5
+    assert loop_bounds.trip_count(loop) == 5
 
 
 def test_where_a_chunked_loop_gets_its_chunk_states():

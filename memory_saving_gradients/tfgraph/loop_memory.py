@@ -21,6 +21,7 @@ import tensorflow as tf
 from memory_saving_gradients.core.model import Loop
 from memory_saving_gradients.tfgraph import compat
 from memory_saving_gradients.tfgraph import graph_walks
+from memory_saving_gradients.tfgraph import loop_bounds
 from memory_saving_gradients.tfgraph import loop_chunks
 from memory_saving_gradients.tfgraph import loop_recording
 from memory_saving_gradients.tfgraph import loops
@@ -60,7 +61,7 @@ def loop_facts(loop: tf.Operation, rerunnable: bool, region=frozenset(),
     # the loop's output already, in the forward pass and in a rerun.
     seen = [index is not None and list_bytes(loop.outputs[index])
             != op_kinds.tensor_bytes(loop.outputs[index]) for index, _, _ in written]
-    body, cond = loop_chunks.loop_function(loop), loop_chunks.loop_function(loop, "cond")
+    body, cond = loop_bounds.loop_function(loop), loop_bounds.loop_function(loop, "cond")
     return Loop(trip_count=loop_chunks.planned_trips(loop), iteration_bytes=stacked,
                 written_bytes=sum(size for (_, size, _), known in zip(written, seen)
                                   if not known),
@@ -82,7 +83,7 @@ def _outside_bytes(loop: tf.Operation, body, region) -> int:
     """Bytes of the loop's inputs made in the step outside `region` that a
     chunk reruns from: its lists and float invariants (a carried state's
     chunk boundaries are saved, the first of them its input). `body`: the
-    loop's body as `loop_chunks.loop_function` reads it."""
+    loop's body as `loop_bounds.loop_function` reads it."""
     if body is None:
         return 0
     return sum(list_bytes(t) for index, t in enumerate(loop.inputs) if index >= 2
@@ -93,7 +94,7 @@ def _outside_bytes(loop: tf.Operation, body, region) -> int:
 
 def invariant_bytes(body) -> int:
     """Bytes of the loop invariants of `body` (a loop's, as
-    `loop_chunks.loop_function` reads it) with float values (weights it
+    `loop_bounds.loop_function` reads it) with float values (weights it
     reads, captured variables included): the gradient of each is summed over
     the iterations into a buffer of its size."""
     if body is None:
@@ -114,7 +115,7 @@ def invariant_bytes(body) -> int:
 
 def gathered_bytes(loop: tf.Operation, body, differentiated) -> int:
     """Bytes of the float variables `body` (`loop`'s, as
-    `loop_chunks.loop_function` reads it) gathers rows of, as loop
+    `loop_bounds.loop_function` reads it) gathers rows of, as loop
     invariants, among those `differentiated` (names of the tensors gradients
     are asked for): an embedding table read
     by `tf.gather` (its handle's, or a Keras Embedding's read value). Their
@@ -166,7 +167,7 @@ def ahead_bytes(loop: tf.Operation, body, cond) -> int:
     tensors and lists, and any value computed from them (an index read from
     h). None where the condition reads the state (the next iteration starts
     only once it is decided), and under XLA, which compiles the loop.
-    `body`, `cond`: the loop's functions as `loop_chunks.loop_function` reads them.
+    `body`, `cond`: the loop's functions as `loop_bounds.loop_function` reads them.
     """
     if compat.in_xla_context(loop.graph):
         return 0
@@ -225,7 +226,7 @@ def _list_source(t: tf.Tensor) -> Optional[tf.Operation]:
 def loop_cost(loop: tf.Operation) -> int:
     """Rough FLOPs of a run of `loop`: its bound (1 if unknown) times those of
     its body's ops; the op's own rough cost if the body cannot be read."""
-    body = loop_chunks.loop_function(loop)
+    body = loop_bounds.loop_function(loop)
     if body is None:
         return op_kinds.op_cost(loop)
     per_iteration = sum(op_kinds.op_cost(op) for op in body.get_operations())
@@ -275,7 +276,7 @@ def _pushed_bytes(pushed: list, traced: Optional[tf.Graph]) -> int:
 
 def _nested_stack_bytes(inner: tf.Operation) -> int:
     """Stacks of a loop in a probed body, as while_v2 rewrote it for its gradient."""
-    body = loop_chunks.loop_function(inner)
+    body = loop_bounds.loop_function(inner)
     if body is None:
         return 0
     pushed, _ = _stacked_buffers(body, [op.inputs[1] for op in body.get_operations()
