@@ -144,6 +144,17 @@ def runtime_chunks(monkeypatch):
     return lambda count: monkeypatch.setattr(loop_chunks, "RUNTIME_CHUNKS", count)
 
 
+def _ours_vs_stock_over(make_step, argument_sets, rtol=1e-5):
+    """`make_step(differentiate)` -> a step; ours ("memory") and stock's steps
+    give equal results on each tuple of `argument_sets`. Returns ours."""
+    ours = make_step(lambda y, xs: msg.gradients(y, xs, checkpoints="memory"))
+    stock = make_step(stock_gradients)
+    for args in argument_sets:
+        for mine, theirs in zip(tf.nest.flatten(ours(*args)), tf.nest.flatten(stock(*args))):
+            np.testing.assert_allclose(mine, theirs, rtol=rtol, atol=rtol / 10)
+    return ours
+
+
 @pytest.mark.parametrize("given", ["at run time", "-1", "set_loop_options"])
 def test_a_maximum_iterations_known_at_run_time_is_chunked(runtime_chunks, given):
     """`t < 10` counts 10 iterations, but a maximum_iterations given at run
@@ -174,15 +185,10 @@ def test_a_maximum_iterations_known_at_run_time_is_chunked(runtime_chunks, given
             return value, differentiate(value, [x, w])
         return run
 
-    ours = step(lambda y, xs: msg.gradients(y, xs, checkpoints="memory"))
-    stock = step(stock_gradients)
-    for count in [0, 1, 2, 3, 4, 7, 9, 12]:
-        n = tf.constant(count)  # a tensor: known when the step runs, not when it is traced
-        (ours_loss, ours_grads), (loss_, grads) = ours(x, n), stock(x, n)
-        np.testing.assert_allclose(ours_loss, loss_, rtol=1e-6)
-        for mine, theirs in zip(ours_grads, grads):
-            np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-6)
-    recorded, reruns = _loop_runs(ours.get_concrete_function(x, n).graph)
+    # n a tensor: known when the step runs, not when it is traced
+    counts = [(x, tf.constant(count)) for count in [0, 1, 2, 3, 4, 7, 9, 12]]
+    ours = _ours_vs_stock_over(step, counts)
+    recorded, reruns = _loop_runs(ours.get_concrete_function(*counts[0]).graph)
     # States saved forward, 3 chunks replayed; -1, known now, runs no
     # iteration: nothing to chunk.
     if given == "-1":
@@ -210,12 +216,8 @@ def test_keras_rnn_over_sequences_of_unknown_length(runtime_chunks, kind):
                                  [x] + layer.trainable_weights)
         return run
 
-    ours = step(lambda y, xs: msg.gradients(y, xs, checkpoints="memory"))
-    stock = step(stock_gradients)
-    for steps in [1, 5, 11]:
-        x = tf.constant(_normal((2, steps, 3), seed=steps))
-        for mine, theirs in zip(ours(x), stock(x)):
-            np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-6)
+    ours = _ours_vs_stock_over(
+        step, [(tf.constant(_normal((2, steps, 3), seed=steps)),) for steps in [1, 5, 11]])
     # Its level reruns it; it writes a TensorArray of run-time length, so as a
     # chain of 4 chunks (`_forward_outputs_too_big`), all but the last ours.
     assert len(_chunk_loops(ours.get_concrete_function(*signature).graph)) == 3
@@ -259,13 +261,10 @@ def test_a_count_its_condition_makes_at_run_time_is_chunked(runtime_chunks, form
         return tf.function(lambda x, n: differentiate(_counted_at_run_time(form, x, n, w),
                                                       [x, w]), input_signature=signature)
 
-    ours = step(lambda y, xs: msg.gradients(y, xs, checkpoints="memory"))
-    stock = step(stock_gradients)
-    for count in ([250] if form == "wrapping counter" else [0, 1, 2, 4, 9]):
-        length = 9 if form != "over a tensor" else max(count, 1)
-        x = tf.constant(_normal((2, length, 4), 0.5, seed=count))
-        for mine, theirs in zip(ours(x, tf.constant(count)), stock(x, tf.constant(count))):
-            np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-6)
+    counts = [250] if form == "wrapping counter" else [0, 1, 2, 4, 9]
+    ours = _ours_vs_stock_over(step, [
+        (tf.constant(_normal((2, 9 if form != "over a tensor" else max(count, 1), 4), 0.5,
+                             seed=count)), tf.constant(count)) for count in counts])
     recorded, reruns = _loop_runs(ours.get_concrete_function(*signature).graph)
     assert (recorded, len(reruns)) == (1, 3)
 
@@ -296,12 +295,7 @@ def test_a_state_whose_shape_changes_is_replayed_as_it_was(runtime_chunks, chunk
             return differentiate(loss, [x, w])
         return run
 
-    ours = step(lambda y, xs: msg.gradients(y, xs, checkpoints="memory"))
-    stock = step(stock_gradients)
-    for count in [0, 1, 2, 5, 11]:
-        n = tf.constant(count)
-        for mine, theirs in zip(ours(x, n), stock(x, n)):
-            np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-6)
+    _ours_vs_stock_over(step, [(x, tf.constant(count)) for count in [0, 1, 2, 5, 11]])
 
 
 def test_a_64_bit_counter_near_its_limits_is_rerun_whole(runtime_chunks):
@@ -326,10 +320,9 @@ def test_a_64_bit_counter_near_its_limits_is_rerun_whole(runtime_chunks):
 
     for start, limit, stride in [(-int(0.9 * most), int(0.9 * most), int(0.45 * most)),
                                  (int(0.5 * most) - 1, int(0.6 * most), int(0.7 * most))]:
-        args = [tf.constant(start, tf.int64), tf.constant(limit, tf.int64)]
-        ours = step(lambda y, xs: msg.gradients(y, xs, checkpoints="memory"), stride)
-        for mine, theirs in zip(ours(*args), step(stock_gradients, stride)(*args)):
-            np.testing.assert_allclose(mine, theirs, rtol=1e-10)
+        args = (tf.constant(start, tf.int64), tf.constant(limit, tf.int64))
+        ours = _ours_vs_stock_over(lambda differentiate: step(differentiate, stride), [args],
+                                   rtol=1e-10)
         assert _loop_runs(ours.get_concrete_function(*signature).graph)[0] == 0
 
 
@@ -348,10 +341,8 @@ def test_a_bound_known_at_run_time_under_xla_is_rerun_whole(runtime_chunks):
             return differentiate(tf.reduce_sum(tf.square(tf.sin(h))), [x, w])
         return tf.function(run, jit_compile=True)
 
-    ours = step(lambda y, xs: msg.gradients(y, xs, checkpoints="memory"))
     n = tf.constant(7)
-    for mine, theirs in zip(ours(x, n), step(stock_gradients)(x, n)):
-        np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-6)
+    ours = _ours_vs_stock_over(step, [(x, n)])
     assert _loop_runs(ours.get_concrete_function(x, n).graph)[0] == 0
 
 
