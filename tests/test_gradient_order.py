@@ -12,6 +12,7 @@ import tensorflow as tf
 
 import memory_saving_gradients as msg
 from memory_saving_gradients.tfgraph import compat
+from memory_saving_gradients.tfgraph import conv_gradients
 from memory_saving_gradients.tfgraph import workspace
 from memory_saving_gradients.tfgraph.workspace import SCRATCH_GRADIENT_OP_TYPES
 from tests.harness import Context
@@ -136,15 +137,15 @@ def _conv(x, w, stride=1):
     return tf.nn.conv2d(x, w, stride, [[0, 0], [1, 1], [1, 1], [0, 0]])
 
 
-def _filter_from_activations(ctx, x):
+def _filter_from_activations(ctx, x, conv=_conv):
     """A convolution whose filter is computed from activations and whose image
     is a weight: its filter gradient carries the gradient on to the activations
     and its input gradient is a leaf, the roles the order usually sees reversed."""
-    h = tf.nn.relu(_conv(x, ctx.variable("w0", _normal((3, 3, 3, 3), seed=1))))
+    h = tf.nn.relu(conv(x, ctx.variable("w0", _normal((3, 3, 3, 3), seed=1))))
     h2 = tf.tanh(h) * 2.0
     shaped = tf.tanh(ctx.variable("wf", _normal((3, 3, 3, 3), seed=2)) * tf.reduce_mean(h2))
     image = ctx.variable("image", _normal((2, 4, 4, 3), seed=3))
-    y = _conv(image, shaped, 2)
+    y = conv(image, shaped, 2)
     return Model(ys=[tf.reduce_sum(y * y) + tf.reduce_sum(h2)], xs=list(ctx.variables.values()))
 
 
@@ -178,7 +179,14 @@ def _hand_written_backprop(ctx, x):
     return Model(ys=[tf.reduce_sum(h * h)], xs=list(ctx.variables.values()))
 
 
-@pytest.mark.parametrize("build", [_filter_from_activations, _hand_written_backprop])
+def _scratch_free_filter_from_activations(ctx, x):
+    """`_filter_from_activations` differentiated by conv_gradients' halves."""
+    return _filter_from_activations(ctx, x, lambda x, w, stride=1: tf.nn.conv2d(x, w, stride,
+                                                                                  "SAME"))
+
+
+@pytest.mark.parametrize("build", [_filter_from_activations, _hand_written_backprop,
+                                   _scratch_free_filter_from_activations])
 @pytest.mark.parametrize("kernels_take_scratch", [True, False])
 @pytest.mark.parametrize("mode", ["memory", "speed"])
 def test_weight_gradient_first_makes_no_cycle(build, kernels_take_scratch, mode, monkeypatch):
@@ -187,6 +195,7 @@ def test_weight_gradient_first_makes_no_cycle(build, kernels_take_scratch, mode,
     models failed with "nodes in a cycle" when the swap was made before the
     leaves were ordered, or paired ops that only shared a forward op."""
     monkeypatch.setattr(workspace, "stock_kernels_take_scratch", lambda: kernels_take_scratch)
+    monkeypatch.setattr(workspace, "scratch_free_saves", conv_gradients.is_eligible)
     ctx = Context()
 
     @tf.function(autograph=False)
@@ -198,3 +207,47 @@ def test_weight_gradient_first_makes_no_cycle(build, kernels_take_scratch, mode,
     ours, stock = both(tf.constant(INPUTS["x"][:2, :4, :4]))
     for a, b in zip(ours, stock):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["memory", "speed"])
+def test_scratch_free_gradients_of_convolutions_run_one_at_a_time(mode, monkeypatch):
+    """conv_gradients' halves (their tap slices and products are not scratch
+    ops) join the chain: with several threads two convolutions' slices ran at
+    once, VGG16's "memory" step (64 px) measuring 48.0 MiB of activations
+    against 31.9 with one thread; chained, 44.9 with either, as predicted.
+    A filter gradient smaller than its input gradient runs first."""
+    monkeypatch.setattr(workspace, "stock_kernels_take_scratch", lambda: True)
+    monkeypatch.setattr(workspace, "scratch_free_saves", conv_gradients.is_eligible)
+    ctx = Context()
+    found = {}
+
+    @tf.function(autograph=False)
+    def step(x):
+        h = x
+        for i, channels in enumerate([8, 8, 16, 16]):
+            w = ctx.variable(f"w{i}", _normal((3, 3, h.shape[-1], channels), seed=i))
+            h = tf.nn.relu(tf.nn.conv2d(h, w, 2 if i == 2 else 1, "SAME"))
+        loss = tf.reduce_sum(h * h)
+        found["grads"] = msg.gradients(loss, list(ctx.variables.values()), checkpoints=mode)
+        return found["grads"], tf.gradients(loss, list(ctx.variables.values()))
+
+    ours, stock = step(tf.constant(INPUTS["x"]))
+    for a, b in zip(ours, stock):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-4, atol=1e-5)
+    graph = step.get_concrete_function(tf.TensorSpec(INPUTS["x"].shape)).graph
+    needed = ancestors(found["grads"])
+    halves = [op for op in graph.get_operations()
+              if conv_gradients.half_of(op) is not None and op in needed]
+    # Four filter gradients and three input gradients (the first convolution's is unneeded).
+    assert sorted(conv_gradients.half_of(op).role for op in halves) == ["filter"] * 4 + [
+        "input"] * 3
+    order = sorted(halves, key=lambda op: sum(waits_for(op, other) for other in halves))
+    for first, later in zip(order, order[1:]):
+        # Every op of the later half, its gate first, waits for the one before.
+        assert waits_for(conv_gradients.half_of(later).gate, first), (first.name, later.name)
+    for op in halves:
+        half = conv_gradients.half_of(op)
+        pair = [o for o in halves if o is not op
+                and conv_gradients.half_of(o).out_backprop is half.out_backprop]
+        if half.role == "input":
+            assert len(pair) == 1 and waits_for(half.gate, pair[0]), op.name

@@ -132,8 +132,7 @@ def scratch_free_transposed_copy(op: tf.Operation, inputs) -> tf.Tensor:
     @tf.custom_gradient
     def transposed(out_backprop, w):
         def gradient(grad):
-            with tf.control_dependencies([grad]):
-                return _transposed_gradients(op, w, out_backprop, grad)
+            return _transposed_gradients(op, w, out_backprop, grad)
         if taps_apart(op):
             return _tiled(axes, w, out_backprop), gradient
         return _input_gradient(axes, w, out_backprop), gradient
@@ -217,24 +216,53 @@ def _axes(op):
     return axes
 
 
+@dataclasses.dataclass(frozen=True)
+class Half:
+    """One of the two gradients our gradient of a convolution makes, its `role`
+    "input", "filter", or for a transposed convolution "transposed" (the
+    gradient of its `out_backprop` input, a forward Conv2D). Each of its ops
+    waits for `gate`, a NoOp that waits for `out_backprop`, the gradient both
+    halves read."""
+    role: str
+    gate: tf.Operation
+    out_backprop: tf.Tensor
+
+
+def half_of(op: tf.Operation):
+    """The `Half` whose result `op` makes, or None."""
+    return getattr(op, "_scratch_free_half", None)
+
+
+def _half(role, grad, build):
+    """`build()`, its ops behind a gate that waits for `grad`: slices of forward
+    tensors wait for the gradient (else the executor takes them in the forward
+    pass and holds the copies until backprop), and gradient_order can hold the
+    whole half back behind another convolution's gradient."""
+    with tf.control_dependencies([grad]):
+        gate = tf.no_op(name=f"{role}_gradient_gate")
+    with tf.control_dependencies([gate]):
+        result = build()
+    result.op._scratch_free_half = Half(role, gate, grad)  # pylint: disable=protected-access
+    return result
+
+
 @tf.RegisterGradient(SCRATCH_FREE_GRADIENT)
 def _scratch_free_gradient(op, grad):
     axes = _axes(op)
     w = op.inputs[1]
-    # Slices of forward tensors wait for the gradient: else the executor
-    # takes them in the forward pass and holds the copies until backprop.
-    with tf.control_dependencies([grad]):
-        if op.type == "Conv2DBackpropInput":
-            return (None,) + _transposed_gradients(op, w, op.inputs[2], grad)[::-1]
-        return _input_gradient(axes, w, grad), _filter_gradient(axes, w, op.inputs[0], grad)
+    if op.type == "Conv2DBackpropInput":
+        return (None,) + _transposed_gradients(op, w, op.inputs[2], grad)[::-1]
+    return (_half("input", grad, lambda: _input_gradient(axes, w, grad)),
+            _half("filter", grad, lambda: _filter_gradient(axes, w, op.inputs[0], grad)))
 
 
 def _transposed_gradients(op, w, out_backprop, grad):
     """(d out_backprop, d filter) of transposed convolution `op` on
     (`out_backprop`, `w`): the Conv2D it transposes, of `grad`, and the per-tap
-    filter gradient. Call under a control dependency on `grad`."""
-    forward = tf.nn.conv2d(grad, w, _strides(op), op.get_attr("padding").decode())
-    return forward, _filter_gradient(_axes(op), w, grad, out_backprop)
+    filter gradient."""
+    padding = op.get_attr("padding").decode()
+    return (_half("transposed", grad, lambda: tf.nn.conv2d(grad, w, _strides(op), padding)),
+            _half("filter", grad, lambda: _filter_gradient(_axes(op), w, grad, out_backprop)))
 
 
 def _input_gradient(axes, w, grad):
