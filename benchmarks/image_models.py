@@ -9,6 +9,10 @@ one of `classes` labels per image, the U-Nets one per pixel.
 import numpy as np
 
 APPLICATIONS = ("MobileNetV2", "EfficientNetB0", "DenseNet121", "ResNet50", "ConvNeXtTiny")
+# keras.applications models no plan was tuned on (first measured in session 42,
+# docs/planner.md), at the smallest side each takes (Xception 71, InceptionV3 75).
+HELD_OUT = {"MobileNetV3Small": 64, "VGG16": 64, "ResNet50V2": 64, "EfficientNetV2B0": 64,
+            "Xception": 80, "InceptionV3": 80}
 
 
 def application(name, pixels, classes=10):

@@ -60,9 +60,9 @@ def whole_model(build_net):
     return build
 
 
-def _image_family(name, what, build_net, classes=10, per_pixel=False):
+def _image_family(name, what, build_net, classes=10, per_pixel=False, sizes=(64, 96)):
     return Family(
-        name, what, sizes=(64, 96), quick_sizes=(64,), maxbatch_size=64, batch=8,
+        name, what, sizes=sizes, quick_sizes=sizes[:1], maxbatch_size=sizes[0], batch=8,
         quick_batch=8, options={"classes": classes}, build=whole_model(build_net),
         data=functools.partial(image_models.image_data, per_pixel=per_pixel),
         remat_layers=lambda size: [], size_unit="px")
@@ -72,6 +72,9 @@ IMAGE_FAMILIES = [
     *(_image_family(app, f"keras.applications.{app}, weights=None, 10 classes",
                     functools.partial(image_models.application, app))
       for app in image_models.APPLICATIONS),
+    *(_image_family(app, f"keras.applications.{app}, weights=None, 10 classes (held out)",
+                    functools.partial(image_models.application, app), sizes=(pixels,))
+      for app, pixels in image_models.HELD_OUT.items()),
     _image_family("unet", "classic U-Net (concatenated skips), 3 levels, width 16, 3 classes "
                   "per pixel", image_models.unet_classic, classes=3, per_pixel=True),
     _image_family("unet_keras_io", "U-Net of the keras.io segmentation example (separable "

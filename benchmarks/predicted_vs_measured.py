@@ -2,7 +2,9 @@
 
     python -m benchmarks.predicted_vs_measured [--models a,b] [--threads default,1]
 
-A model is a name of `MODELS` or "FAMILY:SIZE:BATCH" (`model_by_name`).
+A model is a name of `MODELS` or "FAMILY:SIZE:BATCH" (`model_by_name`). The
+held-out keras.applications models (`image_models.HELD_OUT`) run only when named
+(`--models VGG16,Xception`).
 
 For each model and threading a fresh subprocess builds the model and, for
 each method (tf.gradients, "memory", "speed"; budgetS: a budget of S times
@@ -35,7 +37,7 @@ import subprocess
 import sys
 import time
 
-from benchmarks.image_models import APPLICATIONS, image_data
+from benchmarks.image_models import APPLICATIONS, HELD_OUT, image_data
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 METHODS = ("tf.gradients", "memory", "speed")
@@ -128,6 +130,7 @@ MODELS = {**SMALL_MODELS,
     "llama": family_model("llama", 4),
     "mlp256": family_model("mlp", 256),  # issue 15's time target (docs/planner.md)
     **{name: family_model(name, 64) for name in APPLICATIONS + ("unet", "unet_keras_io")},
+    **{name: family_model(name, pixels) for name, pixels in HELD_OUT.items()},
 }
 
 
@@ -386,7 +389,8 @@ def ratio_lines(rows):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default=",".join(m for m in MODELS if m not in SMALL_MODELS))
+    parser.add_argument("--models", default=",".join(
+        m for m in MODELS if m not in SMALL_MODELS and m not in HELD_OUT))
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--threads", default="default,1")
     parser.add_argument("--out", default="predicted_vs_measured")
