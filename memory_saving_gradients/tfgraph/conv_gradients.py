@@ -11,8 +11,9 @@ Both gradients are matrix products over the pixels instead, for any
 stride and kernel size (SAME or VALID, unit dilations): the filter's
 gradient at tap (a, b) is the image pixels that tap reads (a strided slice)
 times the output gradient, one `MatMul` per tap, run one after the other so
-one slice is alive at a time. The input gradient is the output gradient
-spread onto the image's grid (stride - 1 zeros between pixels), correlated
+one slice is alive at a time (over parts of the batch where a tap's slices
+of the whole batch would pass TAP_SLICE_BYTES). The input gradient is the
+output gradient spread onto the image's grid (stride - 1 zeros between pixels), correlated
 with the filter flipped in space: a forward `Conv2D` (its kernel takes little
 scratch: measured under 1 MiB where `Conv2DBackpropInput` took 32 MiB); for a
 1x1 filter a `MatMul`, then the spreading. A transposed convolution (a
@@ -45,6 +46,10 @@ from memory_saving_gradients.tfgraph import gradient_linearity
 from memory_saving_gradients.tfgraph import op_kinds
 
 SCRATCH_FREE_GRADIENT = "MemorySavingGradientsScratchFreeConv"
+# Most bytes one filter tap's slices take at once: past it the filter gradient
+# slices parts of the batch, summing each tap's products over them (VGG16's
+# first block at 64 px, batch 8: 16 MiB a tap, its plans' peak; 4 in 4 parts).
+TAP_SLICE_BYTES = 4 * 2**20
 
 
 def is_eligible(op: tf.Operation) -> bool:
@@ -88,10 +93,13 @@ def workspace_bytes(op: tf.Operation, input_gradient: bool = True) -> int:
     stride_h, stride_w = _strides(op)[1:3]
     out_bytes = op_kinds.tensor_bytes(out)
     per_channel_in = out_bytes // out.shape[-1] * channels_in
-    taps = per_channel_in + out_bytes  # one slice of each, whatever the stride
+    images = _images_per_part(op)
+    batch_parts = 1 if images is None else -(-out.shape[0] // images)
+    # One slice of each, whatever the stride, for a part of the batch.
+    taps = _tap_slice_bytes(op) // batch_parts
     # The per-tap products, a filter's bytes in all, alive until they are stacked
-    # into the filter gradient.
-    parts = op_kinds.tensor_bytes(w)
+    # into the filter gradient; the last tap's, one per part, until summed.
+    parts = op_kinds.tensor_bytes(w) * (kh * kw + batch_parts - 1) // (kh * kw)
     if op.type == "Conv2DBackpropInput" or not input_gradient:
         return taps + parts  # a transposed one's input gradient is a forward Conv2D
     spread = stride_h * stride_w * (per_channel_in if (kh, kw) == (1, 1) else out_bytes)
@@ -101,6 +109,25 @@ def workspace_bytes(op: tf.Operation, input_gradient: bool = True) -> int:
     # (with several threads they met: ResNet50's plans measured 9 MiB higher).
     flipped = 0 if (kh, kw) == (1, 1) else 2 * op_kinds.tensor_bytes(w)
     return taps + (0 if spread == out_bytes else 2 * spread) + product + max(parts, flipped)
+
+
+def _tap_slice_bytes(op: tf.Operation) -> int:
+    """Bytes of one filter tap's two slices over the whole batch: the image
+    pixels it reads, the output gradient's pixels they pair with."""
+    _, _, out = roles(op)
+    out_bytes = op_kinds.tensor_bytes(out)
+    return out_bytes // out.shape[-1] * op.inputs[1].shape[2] + out_bytes
+
+
+def _images_per_part(op: tf.Operation):
+    """Images per part of the batch the filter gradient's slices are taken over,
+    so that one tap's two slices stay within TAP_SLICE_BYTES; None for the
+    whole batch at once (it fits, the batch size is unknown, or the convolution
+    is pointwise: its slices are the tensors themselves)."""
+    batch = roles(op)[2].shape[0]
+    if batch is None or is_pointwise(op) or _tap_slice_bytes(op) <= TAP_SLICE_BYTES:
+        return None
+    return max(TAP_SLICE_BYTES // (_tap_slice_bytes(op) // batch), 1)
 
 
 @contextlib.contextmanager
@@ -253,7 +280,8 @@ def _scratch_free_gradient(op, grad):
     if op.type == "Conv2DBackpropInput":
         return (None,) + _transposed_gradients(op, w, op.inputs[2], grad)[::-1]
     return (_half("input", grad, lambda: _input_gradient(axes, w, grad)),
-            _half("filter", grad, lambda: _filter_gradient(axes, w, op.inputs[0], grad)))
+            _half("filter", grad, lambda: _filter_gradient(
+                axes, w, op.inputs[0], grad, _images_per_part(op))))
 
 
 def _transposed_gradients(op, w, out_backprop, grad):
@@ -262,7 +290,8 @@ def _transposed_gradients(op, w, out_backprop, grad):
     filter gradient."""
     padding = op.get_attr("padding").decode()
     return (_half("transposed", grad, lambda: tf.nn.conv2d(grad, w, _strides(op), padding)),
-            _half("filter", grad, lambda: _filter_gradient(_axes(op), w, grad, out_backprop)))
+            _half("filter", grad, lambda: _filter_gradient(
+                _axes(op), w, grad, out_backprop, _images_per_part(op))))
 
 
 def _input_gradient(axes, w, grad):
@@ -300,15 +329,23 @@ def _spread(grad, axes):
     return spread[:, :reach[0], :reach[1], :]
 
 
-def _filter_gradient(axes, w, image, grad):
-    """dW[a, b] = (image pixels tap (a, b) reads)^T grad, one tap at a time."""
+def _filter_gradient(axes, w, image, grad, images=None):
+    """dW[a, b] = (image pixels tap (a, b) reads)^T grad, one tap at a time, and
+    for `images` per part one part of the batch at a time, summed."""
     kh, kw, channels_in, channels_out = w.shape.as_list()
-    parts = []
+    batches = ([slice(None)] if images is None else
+               [slice(start, start + images) for start in range(0, grad.shape[0], images)])
+    parts, last = [], []
     for image_rows, grad_rows in map(axes[0].tap, range(kh)):
         for image_cols, grad_cols in map(axes[1].tap, range(kw)):
-            # One tap's slices alive at a time, whatever the thread count.
-            with tf.control_dependencies(parts[-1:]):
-                taken = tf.reshape(image[:, image_rows, image_cols, :], [-1, channels_in])
-                part = tf.reshape(grad[:, grad_rows, grad_cols, :], [-1, channels_out])
-                parts.append(tf.matmul(taken, part, transpose_a=True))
+            products = []
+            for batch in batches:
+                # One tap's slices of one part alive at a time, whatever the thread count.
+                with tf.control_dependencies(last):
+                    taken = tf.reshape(image[batch, image_rows, image_cols, :],
+                                       [-1, channels_in])
+                    part = tf.reshape(grad[batch, grad_rows, grad_cols, :], [-1, channels_out])
+                    products.append(tf.matmul(taken, part, transpose_a=True))
+                    last = products[-1:]
+            parts.append(tf.add_n(products) if len(products) > 1 else products[0])
     return tf.reshape(tf.stack(parts), [kh, kw, channels_in, channels_out])
