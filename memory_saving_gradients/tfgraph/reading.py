@@ -370,9 +370,13 @@ def _record_backprop(op, op_inputs, activations, regions, settings, backprop):
     if broadcast_sinking.keeps_small(
             op, lambda reader: any(o.name in differentiated for o in reader.outputs)):
         backprop["small_grads"][name] = op_kinds.tensor_bytes(op.outputs[0])
-    measured = workspace.gradient_workspace_bytes(op)
+    measured = workspace.gradient_workspace_bytes(op, differentiated=inputs_differentiated)
+    # Stock tf.gradients' executor runs a convolution's input and filter gradients
+    # at once where it has several threads (ResNet50 at 64 px: both kernels' 20 MiB
+    # at its peak); the rewrite chains them (gradient_order.py).
+    stock = workspace.gradient_workspace_bytes(
+        op, workspace.several_inter_op_threads(), inputs_differentiated)
     if workspace.scratch_free_saves(op):  # the rewrite differentiates it its own way
-        backprop["stock_workspace"][name] = scratch + measured
         measured = conv_gradients.workspace_bytes(op, inputs_differentiated[0])
         # Its filter gradient is a chain of per-tap products that the executor
         # runs on beside the gradients below where leaf_order does not order
@@ -384,10 +388,13 @@ def _record_backprop(op, op_inputs, activations, regions, settings, backprop):
             backprop["trailing_workspace"][name] = filter_chain
     xla_dense = grouped_conv_calls.stock_workspace_bytes(op)
     if xla_dense and grouped_conv_calls.is_eligible(op):  # the rewrite takes native kernels
-        backprop["stock_workspace"][name] = scratch + measured + xla_dense
+        stock += xla_dense
     elif xla_dense:
         measured += xla_dense
+        stock += xla_dense
     backprop["workspace"][name] = scratch + measured
+    if stock != measured:
+        backprop["stock_workspace"][name] = scratch + stock
     backprop["weight_grad_bytes"][name] = sum(
         op_kinds.tensor_bytes(t) for t in op_inputs if t.name in weights and t.dtype.is_floating)
     return linear

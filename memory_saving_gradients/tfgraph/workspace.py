@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import os
 
 import numpy as np
 import tensorflow as tf
@@ -55,6 +56,9 @@ _GRADIENT_OPS = {
                             ("Conv2DBackpropFilter", ("input", "x"), ("filter_sizes", "w_shape"),
                              ("out_backprop", "dy"))),
 }
+# The input of the op that each of its gradient ops above differentiates.
+_DIFFERENTIATED_INPUT = {"Conv2D": (0, 1), "DepthwiseConv2dNative": (0, 1), "MaxPool": (0,),
+                         "AvgPool": (0,), "Conv2DBackpropInput": (2, 1)}
 # Ops whose own kernel takes scratch when it runs (forward and recomputed),
 # in the same terms: the CPU transposed convolution (measured, batch 8:
 # 16-32 MiB beside a 0.5-2 MiB output).
@@ -69,9 +73,26 @@ SCRATCH_GRADIENT_OP_TYPES = frozenset(
 _DEVICE = "CPU:0"
 
 
-def gradient_workspace_bytes(op: tf.Operation) -> int:
-    """Bytes `op`'s gradient ops allocate besides their outputs (0 if not measured)."""
-    return _workspace(op, _GRADIENT_OPS)
+def gradient_workspace_bytes(op: tf.Operation, concurrent: bool = False,
+                             differentiated=None) -> int:
+    """Bytes `op`'s gradient ops allocate besides their outputs (0 if not
+    measured): the largest one's, or with `concurrent` all of theirs together,
+    as when the executor runs a convolution's two gradient kernels at once.
+    `differentiated` (a flag per input of `op`) leaves out the gradient ops
+    tf.gradients does not build (a first convolution's input gradient)."""
+    built = None if differentiated is None else [
+        differentiated[i] for i in _DIFFERENTIATED_INPUT.get(op.type, ())]
+    return _workspace(op, _GRADIENT_OPS, sum if concurrent else max, built)
+
+
+def several_inter_op_threads() -> bool:
+    """Whether TensorFlow's executor runs independent ops at once: more than one
+    inter-op thread (by default one per CPU this process may run on)."""
+    threads = tf.config.threading.get_inter_op_parallelism_threads()
+    if not threads:
+        threads = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                   else os.cpu_count() or 1)
+    return threads > 1
 
 
 def scratch_free_saves(op: tf.Operation) -> bool:
@@ -111,10 +132,10 @@ def run_workspace_bytes(op: tf.Operation) -> int:
     (`_RUN_OPS`), or a reduction's temporary (`op_kinds.reduction_temp_bytes`)."""
     if compat.in_xla_context(op.graph):
         return 0  # XLA compiles the op without these kernels (`_workspace`)
-    return _workspace(op, _RUN_OPS) + op_kinds.reduction_temp_bytes(op)
+    return _workspace(op, _RUN_OPS, max) + op_kinds.reduction_temp_bytes(op)
 
 
-def _workspace(op, table):
+def _workspace(op, table, combine, built=None):
     # Under XLA (jit_compile) none of these kernels runs: XLA compiles the op
     # itself, without their scratch (a CNN's stock step: 13.7-16.2 MiB
     # measured against 38.8 predicted with the kernels' 30 MiB).
@@ -123,8 +144,10 @@ def _workspace(op, table):
         return 0
     attrs = tuple(sorted((name, op.get_attr(name)) for name in op.node_def.attr
                          if not name.startswith("_") and name != "T"))
-    return _measured(table is _RUN_OPS, op.type, _hashable(attrs), _shapes(op),
-                     op.outputs[0].dtype.name)
+    scratch = _measured(table is _RUN_OPS, op.type, _hashable(attrs), _shapes(op),
+                        op.outputs[0].dtype.name)
+    return combine([s for s, made in zip(scratch, built or [True] * len(scratch)) if made]
+                   or [0])
 
 
 def _shapes(op):
@@ -147,11 +170,11 @@ def _measured(run, op_type, attrs, shapes, dtype):
         return _run_ops((_RUN_OPS if run else _GRADIENT_OPS)[op_type], dict(attrs), shapes, dtype)
     except Exception as error:  # pylint: disable=broad-except  # then it is not measured
         logger.debug("workspace of %s not measured: %s", op_type, error)
-        return 0
+        return ()
 
 
 def _run_ops(specs, attrs, shapes, dtype):
-    """Runs each op of `specs` in a scratch graph; returns the largest scratch.
+    """Runs each op of `specs` in a scratch graph; returns each one's scratch.
 
     Inputs are fed placeholders (Grappler would fold constants away); each op
     runs twice (the first run may set up caches once) and the second run's
@@ -170,13 +193,10 @@ def _run_ops(specs, attrs, shapes, dtype):
             values.update(w=w, w_shape=tf.constant(shapes[1], tf.int32))
         gradients = [_call(grad_type, attrs, **{name: values[source] for name, source in args})
                      for grad_type, *args in specs]
-    scratch = 0
     with tf.compat.v1.Session(graph=graph) as sess:
-        for out in gradients:
-            output_bytes = out.shape.num_elements() * out.dtype.size
-            scratch = max(scratch, allocations.requested_run_peak(sess, out.op, feed)
-                          - output_bytes)
-    return int(max(scratch, 0))
+        return tuple(int(max(allocations.requested_run_peak(sess, out.op, feed)
+                             - out.shape.num_elements() * out.dtype.size, 0))
+                     for out in gradients)
 
 
 def _call(op_type, attrs, **tensors):
