@@ -93,8 +93,7 @@ def workspace_bytes(op: tf.Operation, input_gradient: bool = True) -> int:
     stride_h, stride_w = _strides(op)[1:3]
     out_bytes = op_kinds.tensor_bytes(out)
     per_channel_in = out_bytes // out.shape[-1] * channels_in
-    images = _images_per_part(op)
-    batch_parts = 1 if images is None else -(-out.shape[0] // images)
+    batch_parts = len(_batch_slices(op))
     # One slice of each, whatever the stride, for a part of the batch.
     taps = _tap_slice_bytes(op) // batch_parts
     # The per-tap products, a filter's bytes in all, alive until they are stacked
@@ -128,6 +127,14 @@ def _images_per_part(op: tf.Operation):
     if batch is None or is_pointwise(op) or _tap_slice_bytes(op) <= TAP_SLICE_BYTES:
         return None
     return max(TAP_SLICE_BYTES // (_tap_slice_bytes(op) // batch), 1)
+
+
+def _batch_slices(op: tf.Operation) -> list:
+    """The parts of the batch (slices) `op`'s filter gradient takes its slices over."""
+    images = _images_per_part(op)
+    if images is None:
+        return [slice(None)]
+    return [slice(start, start + images) for start in range(0, roles(op)[2].shape[0], images)]
 
 
 @contextlib.contextmanager
@@ -277,11 +284,15 @@ def _half(role, grad, build):
 def _scratch_free_gradient(op, grad):
     axes = _axes(op)
     w = op.inputs[1]
+    if not grad.shape[1:].is_fully_defined():
+        # Its pads are computed from the incoming gradient's shape (grad_ys fed with
+        # an unknown one failed to build): the output's.
+        grad = tf.ensure_shape(grad, op.outputs[0].shape)
     if op.type == "Conv2DBackpropInput":
         return (None,) + _transposed_gradients(op, w, op.inputs[2], grad)[::-1]
     return (_half("input", grad, lambda: _input_gradient(axes, w, grad)),
             _half("filter", grad, lambda: _filter_gradient(
-                axes, w, op.inputs[0], grad, _images_per_part(op))))
+                axes, w, op.inputs[0], grad, _batch_slices(op))))
 
 
 def _transposed_gradients(op, w, out_backprop, grad):
@@ -291,7 +302,7 @@ def _transposed_gradients(op, w, out_backprop, grad):
     padding = op.get_attr("padding").decode()
     return (_half("transposed", grad, lambda: tf.nn.conv2d(grad, w, _strides(op), padding)),
             _half("filter", grad, lambda: _filter_gradient(
-                _axes(op), w, grad, out_backprop, _images_per_part(op))))
+                _axes(op), w, grad, out_backprop, _batch_slices(op))))
 
 
 def _input_gradient(axes, w, grad):
@@ -329,12 +340,10 @@ def _spread(grad, axes):
     return spread[:, :reach[0], :reach[1], :]
 
 
-def _filter_gradient(axes, w, image, grad, images=None):
+def _filter_gradient(axes, w, image, grad, batches=(slice(None),)):
     """dW[a, b] = (image pixels tap (a, b) reads)^T grad, one tap at a time, and
-    for `images` per part one part of the batch at a time, summed."""
+    one part of the batch (`batches`, slices of it) at a time, summed."""
     kh, kw, channels_in, channels_out = w.shape.as_list()
-    batches = ([slice(None)] if images is None else
-               [slice(start, start + images) for start in range(0, grad.shape[0], images)])
     parts, last = [], []
     for image_rows, grad_rows in map(axes[0].tap, range(kh)):
         for image_cols, grad_cols in map(axes[1].tap, range(kw)):
