@@ -93,9 +93,9 @@ def workspace_bytes(op: tf.Operation, input_gradient: bool = True) -> int:
     stride_h, stride_w = _strides(op)[1:3]
     out_bytes = op_kinds.tensor_bytes(out)
     per_channel_in = out_bytes // out.shape[-1] * channels_in
-    batch_parts = len(_batch_slices(op))
-    # One slice of each, whatever the stride, for a part of the batch.
-    taps = _tap_slice_bytes(op) // batch_parts
+    images, batch_parts = _images_per_part(op), len(_batch_slices(op))
+    # One slice of each, whatever the stride, for the largest part of the batch.
+    taps = _tap_slice_bytes(op) // (1 if images is None else out.shape[0]) * (images or 1)
     # The per-tap products, a filter's bytes in all, alive until they are stacked
     # into the filter gradient; the last tap's, one per part, until summed.
     parts = op_kinds.tensor_bytes(w) * (kh * kw + batch_parts - 1) // (kh * kw)

@@ -87,8 +87,11 @@ def gradient_workspace_bytes(op: tf.Operation, concurrent: bool = False,
 
 def several_inter_op_threads() -> bool:
     """Whether TensorFlow's executor runs independent ops at once: more than one
-    inter-op thread (by default one per CPU this process may run on)."""
-    threads = tf.config.threading.get_inter_op_parallelism_threads()
+    inter-op thread (set by `tf.config.threading`, else by TF_NUM_INTEROP_THREADS,
+    else one per CPU this process may run on; a v1 Session's own ConfigProto is
+    not seen)."""
+    threads = (tf.config.threading.get_inter_op_parallelism_threads()
+               or int(os.environ.get("TF_NUM_INTEROP_THREADS") or 0))
     if not threads:
         threads = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                    else os.cpu_count() or 1)
