@@ -187,7 +187,9 @@ def build_model(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor]) -> Reading:
     other_bytes, weights_first = 0, set()
     region = frozenset(o.name for op in units for o in op.outputs)
     regions = (region - activations, region | x_names)
-    folds = compat.folds_constants(ys[0].graph)  # asked once: each ask reads the config
+    # Asked once each: each ask reads the config (and the environment, the CPU affinity).
+    folds = compat.folds_constants(ys[0].graph)
+    concurrent = workspace.several_inter_op_threads()
     gated = not any(op.type in op_kinds.V1_CONTROL_FLOW_OP_TYPES for op in units)
     backprop = {"grad_reads": {}, "workspace": {}, "weight_grad_bytes": {},
                 "stock_workspace": {}, "run_workspace": {}, "recompute_workspace": {},
@@ -202,7 +204,8 @@ def build_model(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor]) -> Reading:
         if activations.isdisjoint(outs):
             other_bytes += sum(op_kinds.tensor_bytes(o) for o in outs.values())
             continue
-        linear = _record_backprop(op, inputs[op], activations, regions, (folds, gated), backprop)
+        linear = _record_backprop(
+            op, inputs[op], activations, regions, (folds, gated, concurrent), backprop)
         backprop["run_workspace"][name] = workspace.run_workspace_bytes(op)
         if (gated and backprop["weight_grad_bytes"][name] and op.inputs[0].name in activations
                 and gradient_order.weight_gradient_first(op)):
@@ -340,11 +343,12 @@ def _record_backprop(op, op_inputs, activations, regions, settings, backprop):
     gradients are weight gradients; names of the region's tensors and the xs,
     what backprop takes gradients of: other inputs' gradient branches are pruned).
     `settings`: whether Grappler folds the graph's constants
-    (`compat.folds_constants`), and `Reading.gated`. Returns whether the
+    (`compat.folds_constants`), `Reading.gated`, and whether the executor runs
+    independent ops at once (`workspace.several_inter_op_threads`). Returns whether the
     gradient is linear in the incoming gradients (`gradient_linearity`).
     """
     weights, differentiated = regions
-    folds, gated = settings
+    folds, gated, concurrent = settings
     name = op.name
     inputs_differentiated = [t.name in differentiated for t in op.inputs]
     linear = True
@@ -374,8 +378,7 @@ def _record_backprop(op, op_inputs, activations, regions, settings, backprop):
     # Stock tf.gradients' executor runs a convolution's input and filter gradients
     # at once where it has several threads (ResNet50 at 64 px: both kernels' 20 MiB
     # at its peak); the rewrite chains them (gradient_order.py).
-    stock = workspace.gradient_workspace_bytes(
-        op, workspace.several_inter_op_threads(), inputs_differentiated)
+    stock = workspace.gradient_workspace_bytes(op, concurrent, inputs_differentiated)
     if workspace.scratch_free_saves(op):  # the rewrite differentiates it its own way
         measured = conv_gradients.workspace_bytes(op, inputs_differentiated[0])
         # Its filter gradient is a chain of per-tap products that the executor
