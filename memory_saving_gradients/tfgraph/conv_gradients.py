@@ -93,9 +93,12 @@ def workspace_bytes(op: tf.Operation, input_gradient: bool = True) -> int:
     stride_h, stride_w = _strides(op)[1:3]
     out_bytes = op_kinds.tensor_bytes(out)
     per_channel_in = out_bytes // out.shape[-1] * channels_in
-    images, batch_parts = _images_per_part(op), len(_batch_slices(op))
-    # One slice of each, whatever the stride, for the largest part of the batch.
-    taps = _tap_slice_bytes(op) // (1 if images is None else out.shape[0]) * (images or 1)
+    slices = _batch_slices(op)
+    batch_parts, largest = len(slices), slices[0]  # the first part is the largest
+    # One tap's two slices, whatever the stride, for the largest part of the batch.
+    taps = per_channel_in + out_bytes  # _tap_slice_bytes: over the whole batch
+    if largest.stop is not None:
+        taps = taps // out.shape[0] * (largest.stop - largest.start)
     # The per-tap products, a filter's bytes in all, alive until they are stacked
     # into the filter gradient; the last tap's, one per part, until summed.
     parts = op_kinds.tensor_bytes(w) * (kh * kw + batch_parts - 1) // (kh * kw)
@@ -124,9 +127,12 @@ def _images_per_part(op: tf.Operation):
     whole batch at once (it fits, the batch size is unknown, or the convolution
     is pointwise: its slices are the tensors themselves)."""
     batch = roles(op)[2].shape[0]
-    if batch is None or is_pointwise(op) or _tap_slice_bytes(op) <= TAP_SLICE_BYTES:
+    if batch is None or is_pointwise(op):
         return None
-    return max(TAP_SLICE_BYTES // (_tap_slice_bytes(op) // batch), 1)
+    whole_batch = _tap_slice_bytes(op)
+    if whole_batch <= TAP_SLICE_BYTES:
+        return None
+    return max(TAP_SLICE_BYTES // (whole_batch // batch), 1)
 
 
 def _batch_slices(op: tf.Operation) -> list:
