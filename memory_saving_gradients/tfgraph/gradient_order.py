@@ -134,8 +134,9 @@ def _swappable(links: list) -> list:
     (both read the same incoming gradient: tf.gradients makes the input
     gradient first), the weight gradient's output is the smaller and it does
     not depend on the input gradient."""
+    roles = [_role(op) for _, op in links]
     return [i for i, ((first_start, first), (_, second)) in enumerate(zip(links, links[1:]))
-            if _role(first) == ("input", _role(second)[1]) and _role(second)[0] == "filter"
+            if roles[i][0] == "input" and roles[i + 1] == ("filter", roles[i][1])
             and tensor_bytes(second.outputs[0]) < tensor_bytes(first.outputs[0])
             and not depends_on(second, first_start)]
 
