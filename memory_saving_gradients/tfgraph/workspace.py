@@ -22,6 +22,7 @@ import functools
 import inspect
 import logging
 import os
+from typing import NamedTuple, Optional
 
 import numpy as np
 import tensorflow as tf
@@ -33,43 +34,45 @@ from memory_saving_gradients.tfgraph import op_kinds
 
 logger = logging.getLogger(__name__)
 
-# The gradient ops TensorFlow's registered gradient runs for each measured op
-# type, as (raw op, its tensor arguments): "x"/"w" are the op's two inputs,
-# "y" its output, "dy" the output's gradient, "x_shape"/"w_shape" their shapes.
-# Other ops' gradients allocate little besides their outputs (measured:
-# MatMul, FusedBatchNormV3, element-wise ops).
+
+class _Kernel(NamedTuple):
+    """A raw op to measure: its type, which input of the measured op it
+    differentiates (None for the op's own kernel), and its tensor arguments as
+    (argument, source) pairs: "x"/"w" are the measured op's two inputs, "y"
+    its output, "dy" the output's gradient, "x_shape"/"w_shape" their shapes."""
+    op_type: str
+    differentiates: Optional[int]
+    args: tuple
+
+
+_BACKPROP_ARGS = (("input_sizes", "x_shape"), ("filter", "w"), ("out_backprop", "dy"))
+_FILTER_ARGS = (("input", "x"), ("filter_sizes", "w_shape"), ("out_backprop", "dy"))
+# The gradient kernels TensorFlow's registered gradient runs for each measured
+# op type. Other ops' gradients allocate little besides their outputs
+# (measured: MatMul, FusedBatchNormV3, element-wise ops).
 _GRADIENT_OPS = {
-    "Conv2D": (("Conv2DBackpropInput", ("input_sizes", "x_shape"), ("filter", "w"),
-                ("out_backprop", "dy")),
-               ("Conv2DBackpropFilter", ("input", "x"), ("filter_sizes", "w_shape"),
-                ("out_backprop", "dy"))),
+    "Conv2D": (_Kernel("Conv2DBackpropInput", 0, _BACKPROP_ARGS),
+               _Kernel("Conv2DBackpropFilter", 1, _FILTER_ARGS)),
     "DepthwiseConv2dNative": (
-        ("DepthwiseConv2dNativeBackpropInput", ("input_sizes", "x_shape"), ("filter", "w"),
-         ("out_backprop", "dy")),
-        ("DepthwiseConv2dNativeBackpropFilter", ("input", "x"), ("filter_sizes", "w_shape"),
-         ("out_backprop", "dy"))),
-    "MaxPool": (("MaxPoolGrad", ("orig_input", "x"), ("orig_output", "y"), ("grad", "dy")),),
-    "AvgPool": (("AvgPoolGrad", ("orig_input_shape", "x_shape"), ("grad", "dy")),),
-    # A transposed convolution, its shapes given as those of the Conv2D it
-    # transposes (x: its output, dy: its `out_backprop`; see `_shapes`).
-    "Conv2DBackpropInput": (("Conv2D", ("input", "x"), ("filter", "w")),
-                            ("Conv2DBackpropFilter", ("input", "x"), ("filter_sizes", "w_shape"),
-                             ("out_backprop", "dy"))),
+        _Kernel("DepthwiseConv2dNativeBackpropInput", 0, _BACKPROP_ARGS),
+        _Kernel("DepthwiseConv2dNativeBackpropFilter", 1, _FILTER_ARGS)),
+    "MaxPool": (_Kernel("MaxPoolGrad", 0, (("orig_input", "x"), ("orig_output", "y"),
+                                           ("grad", "dy"))),),
+    "AvgPool": (_Kernel("AvgPoolGrad", 0, (("orig_input_shape", "x_shape"), ("grad", "dy"))),),
+    # A transposed convolution (inputs: input_sizes, filter, out_backprop), its
+    # shapes given as those of the Conv2D it transposes (x: its output, dy: its
+    # `out_backprop`; see `_shapes`).
+    "Conv2DBackpropInput": (_Kernel("Conv2D", 2, (("input", "x"), ("filter", "w"))),
+                            _Kernel("Conv2DBackpropFilter", 1, _FILTER_ARGS)),
 }
-# The input of the op that each of its gradient ops above differentiates.
-_DIFFERENTIATED_INPUT = {"Conv2D": (0, 1), "DepthwiseConv2dNative": (0, 1), "MaxPool": (0,),
-                         "AvgPool": (0,), "Conv2DBackpropInput": (2, 1)}
 # Ops whose own kernel takes scratch when it runs (forward and recomputed),
 # in the same terms: the CPU transposed convolution (measured, batch 8:
 # 16-32 MiB beside a 0.5-2 MiB output).
-_RUN_OPS = {
-    "Conv2DBackpropInput": (("Conv2DBackpropInput", ("input_sizes", "x_shape"), ("filter", "w"),
-                             ("out_backprop", "dy")),),
-}
+_RUN_OPS = {"Conv2DBackpropInput": (_Kernel("Conv2DBackpropInput", None, _BACKPROP_ARGS),)}
 # The gradient ops that allocate scratch (gradient_order.py runs them one at a
 # time); a forward Conv2D takes little (measured: under 1 MiB).
 SCRATCH_GRADIENT_OP_TYPES = frozenset(
-    grad_type for grad_ops in _GRADIENT_OPS.values() for grad_type, *_ in grad_ops) - {"Conv2D"}
+    kernel.op_type for kernels in _GRADIENT_OPS.values() for kernel in kernels) - {"Conv2D"}
 _DEVICE = "CPU:0"
 
 
@@ -81,7 +84,7 @@ def gradient_workspace_bytes(op: tf.Operation, concurrent: bool = False,
     `differentiated` (a flag per input of `op`) leaves out the gradient ops
     tf.gradients does not build (a first convolution's input gradient)."""
     built = None if differentiated is None else [
-        differentiated[i] for i in _DIFFERENTIATED_INPUT.get(op.type, ())]
+        differentiated[kernel.differentiates] for kernel in _GRADIENT_OPS.get(op.type, ())]
     return _workspace(op, _GRADIENT_OPS, sum if concurrent else max, built)
 
 
@@ -177,7 +180,7 @@ def _measured(run, op_type, attrs, shapes, dtype):
 
 
 def _run_ops(specs, attrs, shapes, dtype):
-    """Runs each op of `specs` in a scratch graph; returns each one's scratch.
+    """Runs each `_Kernel` of `specs` in a scratch graph; returns each one's scratch.
 
     Inputs are fed placeholders (Grappler would fold constants away); each op
     runs twice (the first run may set up caches once) and the second run's
@@ -194,8 +197,9 @@ def _run_ops(specs, attrs, shapes, dtype):
             w = tf.compat.v1.placeholder(dtype, shapes[1])
             feed[w] = np.zeros(shapes[1], dtype)
             values.update(w=w, w_shape=tf.constant(shapes[1], tf.int32))
-        gradients = [_call(grad_type, attrs, **{name: values[source] for name, source in args})
-                     for grad_type, *args in specs]
+        gradients = [_call(kernel.op_type, attrs,
+                           **{name: values[source] for name, source in kernel.args})
+                     for kernel in specs]
     with tf.compat.v1.Session(graph=graph) as sess:
         return tuple(int(max(allocations.requested_run_peak(sess, out.op, feed)
                              - out.shape.num_elements() * out.dtype.size, 0))
