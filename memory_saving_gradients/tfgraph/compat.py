@@ -177,6 +177,11 @@ def in_xla_context(graph: tf.Graph) -> bool:
     return control_flow_util.GraphOrParentsInXlaContext(graph)
 
 
+# while_v2's first two loop inputs (and outputs, and its functions' first two
+# arguments): the iteration counter and its maximum_iterations (-1 for none).
+WHILE_COUNTER, WHILE_BOUND = 0, 1
+
+
 def while_function_graph(loop: tf.Operation, name: str):
     """The FuncGraph of a v2 While op's cond or body function `name`."""
     shapes = [tf.TensorShape(s) for s in loop.get_attr("output_shapes")]

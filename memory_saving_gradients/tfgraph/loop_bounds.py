@@ -20,7 +20,6 @@ from memory_saving_gradients.tfgraph import compat
 from memory_saving_gradients.tfgraph import loop_recording
 from memory_saving_gradients.tfgraph import static_values
 
-_COUNTER, _BOUND = 0, 1  # while_v2's first two loop inputs
 # Comparisons a loop condition may test its counter with: op type ->
 # (the counter is the first operand, the limit is reached too).
 _COMPARISONS = {"Less": (True, False), "LessEqual": (True, True),
@@ -38,7 +37,7 @@ def loop_function(loop: tf.Operation, part: str = "body"):
 
 def trip_bound(loop: tf.Operation) -> Optional[int]:
     """The loop's `maximum_iterations` if known now (>= 0), else None."""
-    value = static_values.static_value(loop.inputs[_BOUND])
+    value = static_values.static_value(loop.inputs[compat.WHILE_BOUND])
     if value is None or np.ndim(value) != 0 or int(value) < 0:
         return None
     return int(value)
@@ -76,7 +75,7 @@ def bounded_at_run_time(loop: tf.Operation) -> bool:
         return False
     facts = _bound_facts(loop)
     if facts.built_with_maximum_iterations:
-        return static_values.static_value(loop.inputs[_BOUND]) is None
+        return static_values.static_value(loop.inputs[compat.WHILE_BOUND]) is None
     return (facts.built_with_maximum_iterations is False and bool(facts.counts)
             and all(count is not None and count.countable_at_run_time
                     for count in facts.counts)
@@ -92,7 +91,7 @@ def run_time_trips(loop: tf.Operation, inputs: Sequence[tf.Tensor]) -> tf.Tensor
     bounds = [count.trips(inputs) for count in facts.counts
               if count is not None and count.countable_at_run_time]
     if facts.built_with_maximum_iterations:
-        bounds.append(tf.maximum(tf.cast(inputs[_BOUND], tf.int32), 0))
+        bounds.append(tf.maximum(tf.cast(inputs[compat.WHILE_BOUND], tf.int32), 0))
     return bounds[0] if len(bounds) == 1 else tf.reduce_min(tf.stack(bounds))
 
 
@@ -189,7 +188,7 @@ def _bound_facts(loop: tf.Operation) -> _BoundFacts:
         if cond is None or body is None:
             found = _BoundFacts(None, ())
         else:
-            found = _BoundFacts(bool(cond.inputs[_BOUND].consumers()),
+            found = _BoundFacts(bool(cond.inputs[compat.WHILE_BOUND].consumers()),
                                 tuple(_condition_counts(loop, cond, body)))
         loop._memory_saving_bound_facts = found  # pylint: disable=protected-access
     return found
@@ -222,7 +221,7 @@ def _compared(loop, cond, body, comparison) -> Optional[_Count]:
     if counter.ref() not in arguments or not counter.dtype.is_integer:
         return None
     index = arguments.index(counter.ref())
-    if index <= _BOUND:  # while_v2's own counter: bounded by maximum_iterations
+    if index <= compat.WHILE_BOUND:  # while_v2's own counter: bounded by maximum_iterations
         return None
     step = _step(loop, body, index)
     limit = loop_recording.passed_through(limit)

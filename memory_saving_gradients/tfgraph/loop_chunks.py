@@ -64,7 +64,6 @@ logger = logging.getLogger("memory_saving_gradients")
 CHUNK_GRADIENT = "MemorySavingGradientsLoopChunk"
 # Set on a forward loop while our gradients are built (`chunked_gradients`).
 LOOP_GRADIENT = "MemorySavingGradientsChunkedLoop"
-_COUNTER, _BOUND = 0, 1  # while_v2's first two loop inputs
 # Body ops whose outputs are no new memory.
 _FREE_OP_TYPES = frozenset({"Placeholder", "Identity", "Const", "ReadVariableOp"})
 # Chunks a loop bounded only at run time is laid out in: its T iterations
@@ -158,7 +157,7 @@ def _stop_at_bound(loop: tf.Operation) -> None:
         return
     cond = loop_recording.fresh_function(loop, "cond")
     with cond.as_default():
-        counter, limit = cond.inputs[_COUNTER], cond.inputs[_BOUND]
+        counter, limit = cond.inputs[compat.WHILE_COUNTER], cond.inputs[compat.WHILE_BOUND]
         within = tf.logical_or(tf.less(limit, 0), tf.less(counter, limit))
         cond.outputs[0] = tf.logical_and(within, cond.outputs[0])
     compat.set_loop_condition(loop, cond)
@@ -214,11 +213,11 @@ def _copy_in_chunks(loop, inputs, size, in_turn=False):
     included: their gradients then add up along the chain, as within one
     loop, instead of one partial weight gradient per chunk waiting to be summed.
     """
-    dtype = loop.inputs[_COUNTER].dtype
+    dtype = loop.inputs[compat.WHILE_COUNTER].dtype
     chunks = layout(loop, size, inputs)
     _stop_at_bound(loop)
     state = inputs
-    counters = [inputs[_COUNTER]]
+    counters = [inputs[compat.WHILE_COUNTER]]
     for index in range(chunks.count):
         limits = [tf.constant(0, dtype), chunks.limit(index, dtype)]
         last = index == chunks.count - 1
@@ -230,9 +229,9 @@ def _copy_in_chunks(loop, inputs, size, in_turn=False):
         if in_turn and index == 0 and not last:  # one chunk: the stock gradient, nothing to mark
             loop_rerun.rerun_in_turn(chunk)
         state = list(chunk.outputs)
-        counters.append(state[_COUNTER])
+        counters.append(state[compat.WHILE_COUNTER])
     # What the original loop outputs: iterations run, its bound, its state.
-    return [tf.add_n(counters), inputs[_BOUND]] + state[2:]
+    return [tf.add_n(counters), inputs[compat.WHILE_BOUND]] + state[2:]
 
 
 @contextlib.contextmanager

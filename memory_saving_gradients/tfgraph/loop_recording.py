@@ -31,7 +31,6 @@ import tensorflow as tf
 from memory_saving_gradients.tfgraph import compat
 from memory_saving_gradients.tfgraph import static_values
 
-_COUNTER, _BOUND = 0, 1  # while_v2's first two loop inputs
 _LIST_WRITE = "TensorListSetItem"
 _PASS_THROUGH = ("Identity",)
 
@@ -93,7 +92,7 @@ def why_not(loop: tf.Operation) -> Optional[str]:
         return "a GradientTape is recording, and it would differentiate the loop as it saw it"
     if compat.differentiated_by_stock(loop):
         return "it was already differentiated by tf.gradients (its op carries accumulators)"
-    if static_values.static_value(loop.inputs[_COUNTER]) != 0:
+    if static_values.static_value(loop.inputs[compat.WHILE_COUNTER]) != 0:
         return "its iteration counter does not start at 0"
     body = fresh_function(loop, "body")
     xla = compat.in_xla_context(loop.graph)
@@ -121,7 +120,7 @@ def record(loop: tf.Operation, layout: Layout) -> Recording:
     new_inputs = [_initial_list(loop, body.inputs[i], loop.inputs[i], count + 1)
                   for i in saved]
     if isinstance(size, tf.Tensor):  # the body reads it as an invariant of its own
-        new_inputs.append(tf.cast(size, loop.inputs[_COUNTER].dtype))
+        new_inputs.append(tf.cast(size, loop.inputs[compat.WHILE_COUNTER].dtype))
     _add_list_writes(body, saved, size, count)
     with cond.as_default():
         cond.inputs.extend(tf.compat.v1.placeholder(t.dtype, []) for t in new_inputs)
@@ -141,7 +140,7 @@ def saved_state(loop: tf.Operation, found: Recording, index: int, chunk: int) ->
     (loop_replay.py): through the recording lists TensorFlow's would be wrong.
     """
     dtype = loop.inputs[index].dtype
-    ran = loop.outputs[_COUNTER]
+    ran = loop.outputs[compat.WHILE_COUNTER]
     size = tf.cast(found.layout.size, ran.dtype)
     last_written = tf.maximum(ran - 1, 0) // size
     slot = tf.minimum(tf.constant(chunk, ran.dtype), last_written)
@@ -219,7 +218,7 @@ def _add_list_writes(body, saved, size, count):
     chunk starts and at the spare slot `count` otherwise. A `size` tensor is
     read from an input after the lists' (an invariant: returned as given)."""
     with body.as_default():
-        step = body.inputs[_COUNTER]
+        step = body.inputs[compat.WHILE_COUNTER]
         handles = [tf.compat.v1.placeholder(tf.variant, []) for _ in saved]
         body.inputs.extend(handles)
         carried = isinstance(size, tf.Tensor)
