@@ -132,8 +132,8 @@ def layout(loop: tf.Operation, size: int, inputs: Sequence[tf.Tensor]) -> loop_r
     `inputs` (the loop's own, or a copy's): for a loop bounded at run time,
     ops computing its chunk size from them."""
     if not loop_bounds.bounded_at_run_time(loop):
-        return loop_recording.Layout(_chunk_count(loop, size), size,
-                                     loop_bounds.chunk_bound(loop))
+        bound = loop_bounds.chunk_bound(loop)
+        return loop_recording.Layout(-(-bound // size), size, bound)
     with loop.graph.control_dependencies(None), tf.device(loop.device or None):
         iterations = loop_bounds.run_time_trips(loop, inputs)
         return loop_recording.Layout(
