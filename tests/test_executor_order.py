@@ -1,6 +1,8 @@
 """The executor's ready-queue simulation (core/executor_order.py) and stock backprop's
 parts (core/stock_order.py) on toy graphs: no TensorFlow."""
 
+import dataclasses
+
 import networkx as nx
 
 from memory_saving_gradients.core import executor_order, stock_order, timeline
@@ -65,15 +67,17 @@ def test_two_threads_run_what_is_handed_over_beside_the_chain():
     assert runs == executor_order.simulate(successors, cost, {}, threads=2)
 
 
-def _dense_chain(layers, width_bytes=1 << 20):
-    """x -> (MatMul -> BiasAdd -> Relu) * layers -> loss, as a GraphModel."""
+def _dense_chain(layers, width_bytes=1 << 20, layer_type="MatMul"):
+    """x -> (`layer_type` -> BiasAdd -> Relu) * layers -> loss, as a GraphModel."""
     graph, tensors, outputs, order, reads = nx.DiGraph(), {}, {}, [], {}
 
     def add(name, op_type, inputs, size=width_bytes):
         tensors[name + ":0"] = Activation(name + ":0", name, op_type, size, size, True, True)
         outputs[name] = (name + ":0",)
-        # What TensorFlow's gradients read: a MatMul its input, a Relu its output.
-        reads[name] = {"MatMul": tuple(inputs), "Relu": (name + ":0",)}.get(op_type, ())
+        # What TensorFlow's gradients read: a MatMul (or a convolution) its input,
+        # a Relu its output.
+        reads[name] = {"MatMul": tuple(inputs), "Conv2D": tuple(inputs),
+                       "Relu": (name + ":0",)}.get(op_type, ())
         graph.add_node(name + ":0")
         for i in inputs:
             graph.add_edge(i, name + ":0")
@@ -83,7 +87,7 @@ def _dense_chain(layers, width_bytes=1 << 20):
     h = add("x", "Placeholder", ())
     weights = {}
     for i in range(layers):
-        m = add(f"mm{i}", "MatMul", [h])
+        m = add(f"mm{i}", layer_type, [h])
         b = add(f"b{i}", "BiasAdd", [m])
         h = add(f"r{i}", "Relu", [b])
         weights[f"mm{i}"], weights[f"b{i}"] = 1024, 16
@@ -120,3 +124,25 @@ def test_deferred_weight_gradients_hold_their_reads():
         model, stock=True, stock_parts=stock_order.parts(model, 1, data_last=True)).run(())
     assert abs(weights_first - stock) <= 2 * mib, (weights_first, stock)
     assert data_first >= 12 * mib > stock, (data_first, stock)
+
+
+def test_deferred_weight_gradients_replay_stock_in_the_executor_order():
+    # With one inter-op thread TensorFlow's own kernels' convolution filter gradients
+    # wait (GraphModel.deferred_weight_gradients, stock_order.WEIGHTS_LISTED_FIRST),
+    # holding their reads; a MatMul's run at once.
+    def deferred(model):
+        return timeline._Replay(  # pylint: disable=protected-access
+            model, stock=True, stock_parts=stock_order.parts(model, 1, data_last=True)).run(())
+
+    def one_thread(model):
+        return dataclasses.replace(
+            model, deferred_weight_gradients=stock_order.WEIGHTS_LISTED_FIRST)
+
+    mib = 1 << 20
+    convolutions = _dense_chain(6, layer_type="Conv2D")
+    several = timeline.predict(convolutions).baseline_bytes
+    one = timeline.predict(one_thread(convolutions)).baseline_bytes
+    assert one == deferred(convolutions) >= 12 * mib > several, (one, several)
+    dense = _dense_chain(6)
+    one = timeline.predict(one_thread(dense)).baseline_bytes
+    assert one < 12 * mib <= deferred(dense), one

@@ -12,6 +12,8 @@ runs it in, for an assumed out-edge order.
 
 from __future__ import annotations
 
+from typing import Collection, Union
+
 from memory_saving_gradients.core import executor_order
 from memory_saving_gradients.core import op_table
 
@@ -26,15 +28,26 @@ SEPARATE_WEIGHT_GRADIENT = frozenset({
 PASS_THROUGH = frozenset({"BiasAdd", "Reshape", "Identity", "ExpandDims", "Squeeze",
                            "StopGradient", "PreventGradient"})
 
+# Op types whose weight gradient the optimized graph lists before their data
+# gradient where TensorFlow's own CPU kernels run, as measured: with one
+# inter-op thread, eight keras.applications CNNs and a U-Net held their
+# convolutions' filter gradients (and what those read) until the chain of data
+# gradients stopped. Not with oneDNN's kernels, whose graph rewrite lists them
+# the other way; a MatMul's varies between the layers of one model (a residual
+# MLP measured between the two orders).
+WEIGHTS_LISTED_FIRST = frozenset({"Conv2D", "Conv3D", "DepthwiseConv2dNative"})
+
 DATA, WEIGHTS, WHOLE = "data", "weights", "whole"
 
 
-def parts(model, threads: int = 1, data_last: bool = True) -> list:
+def parts(model, threads: int = 1,
+          data_last: Union[bool, Collection[str]] = True) -> list:
     """(op, DATA | WEIGHTS | WHOLE) of stock backprop, in the order they start.
 
-    `data_last`: the out-edge order assumed, an op's data gradient listed after
-    its weight gradient (the executor then continues with the data gradients
-    and defers the weight gradients); False, the reverse.
+    `data_last`: the out-edge order assumed: True, an op's data gradient listed
+    after its weight gradient (the executor then continues with the data
+    gradients and defers the weight gradients); False, the reverse; or the op
+    types listed so, the others the reverse (`WEIGHTS_LISTED_FIRST`).
     """
     rows = op_table.rows(model)
     order = op_table.order(model)
@@ -60,7 +73,9 @@ def parts(model, threads: int = 1, data_last: bool = True) -> list:
     def units(op):
         if op in split:
             pair = [(op, WEIGHTS), (op, DATA)]
-            return pair if data_last else pair[::-1]
+            listed_last = (data_last if isinstance(data_last, bool)
+                           else rows[op].op_type in data_last)
+            return pair if listed_last else pair[::-1]
         return [(op, WHOLE)]
 
     successors, cost, expensive = {}, {}, {}
@@ -81,3 +96,9 @@ def parts(model, threads: int = 1, data_last: bool = True) -> list:
         successors[giving] = list(dict.fromkeys(successors[giving]))
     runs = executor_order.simulate(successors, cost, expensive, threads)
     return [run.op for run in runs]
+
+
+def one_thread_order(model) -> list:
+    """`parts` as an executor with one inter-op thread runs them, the weight
+    gradients of `model.deferred_weight_gradients` listed first."""
+    return parts(model, 1, model.deferred_weight_gradients)

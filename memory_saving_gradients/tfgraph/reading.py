@@ -15,6 +15,7 @@ import networkx as nx
 import tensorflow as tf
 
 from memory_saving_gradients.core import collector
+from memory_saving_gradients.core import stock_order
 from memory_saving_gradients.core.model import Activation
 from memory_saving_gradients.core.model import GraphModel
 from memory_saving_gradients.tfgraph import broadcast_sinking
@@ -254,8 +255,23 @@ def build_model(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor]) -> Reading:
         order=tuple(tensors),
         ys=tuple(y.name for y in ys if y.name in activations),
         op_outputs=op_outputs, other_bytes=other_bytes, num_region_ops=len(ops),
-        loops=loop_facts, weights_first=frozenset(weights_first), **backprop)
+        loops=loop_facts, weights_first=frozenset(weights_first),
+        deferred_weight_gradients=_deferred_weight_gradients(units, concurrent),
+        **backprop)
     return Reading(model=model, region=region, op_inputs=op_inputs, ops=tuple(ops), gated=gated)
+
+
+def _deferred_weight_gradients(units, concurrent) -> frozenset:
+    """`GraphModel.deferred_weight_gradients`: with one inter-op thread, no XLA
+    (which schedules the step itself) and TensorFlow's own convolution kernels
+    (`workspace.stock_kernels_take_scratch`; oneDNN's rewrite lists the
+    gradients the other way), `stock_order.WEIGHTS_LISTED_FIRST`."""
+    listed_first = stock_order.WEIGHTS_LISTED_FIRST
+    if (concurrent or not units or compat.in_xla_context(units[0].graph)
+            or not any(op.type in listed_first for op in units)
+            or not workspace.stock_kernels_take_scratch()):
+        return frozenset()
+    return listed_first
 
 
 def _passed_through(op, activations) -> dict:
