@@ -77,15 +77,18 @@ def is_pointwise(op: tf.Operation) -> bool:
             and _strides(op) == [1, 1, 1, 1])
 
 
-def workspace_bytes(op: tf.Operation, input_gradient: bool = True) -> int:
-    """Scratch of our gradient of eligible `op` besides its results: the filter
-    gradient's tap slices of the image and of the output gradient and its per-tap
-    products (a filter's bytes, until stacked), and unless
-    `input_gradient` is False (the image is not differentiated: TensorFlow
-    prunes that part) the input gradient's product and spread output gradient,
-    and a spatial filter's flipped copy (`ReverseV2`, then `Transpose`: two
-    filters' bytes alive at once; ResNet50's 3x3 512 -> 512 ones 18 MiB, the
-    largest buffers at its plans' activation peaks, docs/planner.md)."""
+def workspace_bytes(op: tf.Operation, input_gradient: bool = True,
+                    filter_gradient: bool = True) -> int:
+    """Scratch of our gradient of eligible `op` besides its results: unless
+    `filter_gradient` is False (the filter is not differentiated: a frozen
+    layer's) the filter gradient's tap slices of the image and of the output
+    gradient and its per-tap products (a filter's bytes, until stacked), and
+    unless `input_gradient` is False (the image is not differentiated) the
+    input gradient's product and spread output gradient, and a spatial
+    filter's flipped copy (`ReverseV2`, then `Transpose`: two filters' bytes
+    alive at once; ResNet50's 3x3 512 -> 512 ones 18 MiB, the largest buffers
+    at its plans' activation peaks, docs/planner.md). TensorFlow prunes the
+    part not differentiated."""
     if is_pointwise(op):
         return 0
     _, w, out = roles(op)
@@ -102,6 +105,8 @@ def workspace_bytes(op: tf.Operation, input_gradient: bool = True) -> int:
     # The per-tap products, a filter's bytes in all, alive until they are stacked
     # into the filter gradient; the last tap's, one per part, until summed.
     parts = op_kinds.tensor_bytes(w) * (kh * kw + batch_parts - 1) // (kh * kw)
+    if not filter_gradient:
+        taps = parts = 0
     if op.type == "Conv2DBackpropInput" or not input_gradient:
         return taps + parts  # a transposed one's input gradient is a forward Conv2D
     spread = stride_h * stride_w * (per_channel_in if (kh, kw) == (1, 1) else out_bytes)

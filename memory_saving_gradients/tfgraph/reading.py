@@ -396,7 +396,10 @@ def _record_backprop(op, op_inputs, activations, regions, settings, backprop):
     # at its peak); the rewrite chains them (gradient_order.py).
     stock = workspace.gradient_workspace_bytes(op, concurrent, inputs_differentiated)
     if workspace.scratch_free_saves(op):  # the rewrite differentiates it its own way
-        measured = conv_gradients.workspace_bytes(op, inputs_differentiated[0])
+        # Only the halves TensorFlow builds: the image's (input 0) and the
+        # filter's (input 1; a frozen layer's filter is not differentiated).
+        measured = conv_gradients.workspace_bytes(op, inputs_differentiated[0],
+                                                  inputs_differentiated[1])
         # Its filter gradient is a chain of per-tap products that the executor
         # runs on beside the gradients below where leaf_order does not order
         # it (measured in the small CNN's plan before leaf_order: a
