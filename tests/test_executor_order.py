@@ -110,7 +110,7 @@ def test_stock_parts_order_of_a_dense_chain():
     assert sorted(data_first) == sorted(weights_first)
 
 
-def test_deferred_weight_gradients_hold_their_reads():
+def test_deferred_weight_gradient_types_hold_their_reads():
     # Deferred to the end, each MatMul's weight gradient keeps its input (the previous
     # layer's output) and its output gradient: at the end of the chain two tensors a
     # layer are alive (12 MiB; stock's peak is 9 MiB, at the end of the forward pass).
@@ -126,9 +126,9 @@ def test_deferred_weight_gradients_hold_their_reads():
     assert data_first >= 12 * mib > stock, (data_first, stock)
 
 
-def test_deferred_weight_gradients_replay_stock_in_the_executor_order():
+def test_deferred_weight_gradient_types_replay_stock_in_the_executor_order():
     # With one inter-op thread TensorFlow's own kernels' convolution filter gradients
-    # wait (GraphModel.deferred_weight_gradients, stock_order.WEIGHTS_LISTED_FIRST),
+    # wait (GraphModel.deferred_weight_gradient_types, stock_order.WEIGHTS_LISTED_FIRST),
     # holding their reads; a MatMul's run at once.
     def deferred(model):
         return timeline._Replay(  # pylint: disable=protected-access
@@ -136,7 +136,7 @@ def test_deferred_weight_gradients_replay_stock_in_the_executor_order():
 
     def one_thread(model):
         return dataclasses.replace(
-            model, deferred_weight_gradients=stock_order.WEIGHTS_LISTED_FIRST)
+            model, deferred_weight_gradient_types=stock_order.WEIGHTS_LISTED_FIRST)
 
     mib = 1 << 20
     convolutions = _dense_chain(6, layer_type="Conv2D")

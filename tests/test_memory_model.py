@@ -91,7 +91,7 @@ def test_stock_peak_with_one_inter_op_thread_defers_filter_gradients():
     # With one inter-op thread TensorFlow's own kernels' convolution filter gradients
     # wait until the chain of input gradients stops, each holding its image and its
     # incoming gradient; the replay in the executor's order
-    # (GraphModel.deferred_weight_gradients) predicts it. MobileNetV2 at 32 px
+    # (GraphModel.deferred_weight_gradient_types) predicts it. MobileNetV2 at 32 px
     # (MiB, bytes requested): activation peak 29.25 measured, 29.25 predicted (25.14,
     # 0.86, one op at a time); the whole step's peak minus the weight gradients 20.97,
     # 20.89 predicted (25.10, 1.20).

@@ -181,7 +181,7 @@ class GraphModel:
         output is the smaller): the activations only the weight gradient
         reads are free before the input gradient is allocated. Stock
         leaves the two unordered.
-      deferred_weight_gradients: op types whose weight gradients stock
+      deferred_weight_gradient_types: op types whose weight gradients stock
         tf.gradients' executor defers until its chain of data gradients
         stops, holding what they read (one inter-op thread:
         `stock_order.WEIGHTS_LISTED_FIRST` where TensorFlow's own kernels
@@ -218,7 +218,7 @@ class GraphModel:
     stock_forwarded_grads: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
     stock_workspace_forwards: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
     weights_first: frozenset[str] = frozenset()
-    deferred_weight_gradients: frozenset[str] = frozenset()
+    deferred_weight_gradient_types: frozenset[str] = frozenset()
 
     def op_of(self, name: str) -> str:
         """The op producing activation `name`."""

@@ -100,5 +100,5 @@ def parts(model, threads: int = 1,
 
 def one_thread_order(model) -> list:
     """`parts` as an executor with one inter-op thread runs them, the weight
-    gradients of `model.deferred_weight_gradients` listed first."""
-    return parts(model, 1, model.deferred_weight_gradients)
+    gradients of `model.deferred_weight_gradient_types` listed first."""
+    return parts(model, 1, model.deferred_weight_gradient_types)

@@ -212,13 +212,13 @@ class _Replay(LoopEvents):
     loops keep every iteration (ours may chunk them). `stacked`: the loops the
     plan leaves to the stock gradient too (`planning.LoopModes`).
     `stock_parts`: the order stock backprop runs its gradient parts in
-    (`stock_order`); by default, with `model.deferred_weight_gradients`, the
+    (`stock_order`); by default, with `model.deferred_weight_gradient_types`, the
     executor's one-thread order, else one op at a time in reverse.
     """
 
     def __init__(self, model, stock=False, stacked=frozenset(), stock_parts=None):
         self.model = model
-        if stock and stock_parts is None and model.deferred_weight_gradients:
+        if stock and stock_parts is None and model.deferred_weight_gradient_types:
             stock_parts = op_table.per_model(model, "one_thread_order",
                                              stock_order.one_thread_order)
         self.stock_parts = stock_parts  # the executor's order of stock backprop (`stock_order`)

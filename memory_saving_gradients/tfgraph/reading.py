@@ -256,13 +256,13 @@ def build_model(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor]) -> Reading:
         ys=tuple(y.name for y in ys if y.name in activations),
         op_outputs=op_outputs, other_bytes=other_bytes, num_region_ops=len(ops),
         loops=loop_facts, weights_first=frozenset(weights_first),
-        deferred_weight_gradients=_deferred_weight_gradients(units, concurrent),
+        deferred_weight_gradient_types=_deferred_weight_gradient_types(units, concurrent),
         **backprop)
     return Reading(model=model, region=region, op_inputs=op_inputs, ops=tuple(ops), gated=gated)
 
 
-def _deferred_weight_gradients(units, concurrent) -> frozenset:
-    """`GraphModel.deferred_weight_gradients`: with one inter-op thread, no XLA
+def _deferred_weight_gradient_types(units, concurrent) -> frozenset:
+    """`GraphModel.deferred_weight_gradient_types`: with one inter-op thread, no XLA
     (which schedules the step itself) and TensorFlow's own convolution kernels
     (`workspace.stock_kernels_take_scratch`; oneDNN's rewrite lists the
     gradients the other way), `stock_order.WEIGHTS_LISTED_FIRST`."""
