@@ -110,7 +110,17 @@ def test_stock_parts_order_of_a_dense_chain():
     assert sorted(data_first) == sorted(weights_first)
 
 
-def test_deferred_weight_gradient_types_hold_their_reads():
+def test_the_gradient_of_a_y_is_made_ready_like_any_other():
+    # A y that is a convolution's output: its filter gradient waits like the others
+    # (the ys' incoming gradients come from ops of their own, not from the caller).
+    model = dataclasses.replace(_dense_chain(3, layer_type="Conv2D"), ys=("mm2:0",))
+    order = stock_order.parts(model, threads=1, data_last=True)
+    assert order.index(("mm2", stock_order.WEIGHTS)) > order.index(("mm0", stock_order.DATA))
+    parts = (stock_order.DATA, stock_order.WEIGHTS, stock_order.WHOLE)
+    assert len(set(order)) == len(order) and all(part in parts for _, part in order), order
+
+
+def test_deferred_weight_gradients_hold_their_reads():
     # Deferred to the end, each MatMul's weight gradient keeps its input (the previous
     # layer's output) and its output gradient: at the end of the chain two tensors a
     # layer are alive (12 MiB; stock's peak is 9 MiB, at the end of the forward pass).
@@ -126,7 +136,7 @@ def test_deferred_weight_gradient_types_hold_their_reads():
     assert data_first >= 12 * mib > stock, (data_first, stock)
 
 
-def test_deferred_weight_gradient_types_replay_stock_in_the_executor_order():
+def test_deferred_weight_gradients_replay_stock_in_the_executor_order():
     # With one inter-op thread TensorFlow's own kernels' convolution filter gradients
     # wait (GraphModel.deferred_weight_gradient_types, stock_order.WEIGHTS_LISTED_FIRST),
     # holding their reads; a MatMul's run at once.

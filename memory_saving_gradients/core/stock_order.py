@@ -38,6 +38,7 @@ PASS_THROUGH = frozenset({"BiasAdd", "Reshape", "Identity", "ExpandDims", "Squee
 WEIGHTS_LISTED_FIRST = frozenset({"Conv2D", "DepthwiseConv2dNative"})
 
 DATA, WEIGHTS, WHOLE = "data", "weights", "whole"
+_SEED = "seed"
 
 
 def parts(model, threads: int = 1,
@@ -60,7 +61,6 @@ def parts(model, threads: int = 1,
     for op in reversed(order):
         if not ys.isdisjoint(rows[op].outputs):
             reached.add(op)
-    gets = {}  # op -> consumers sending it gradients
     for op in reversed(order):
         if op not in reached:
             continue
@@ -68,7 +68,6 @@ def parts(model, threads: int = 1,
             u = producer.get(t)
             if u is not None:
                 reached.add(u)
-                gets.setdefault(u, []).append(op)
 
     def units(op):
         if op in split:
@@ -94,8 +93,13 @@ def parts(model, threads: int = 1,
             part for t, _ in rows[op].grads if producer.get(t) is not None
             for part in units(producer[t])]
         successors[giving] = list(dict.fromkeys(successors[giving]))
+        if not ys.isdisjoint(rows[op].outputs):
+            # A y's incoming gradient is made by an op of its own (grad_ys), whose
+            # end makes the y's parts ready as any op's does: a seed, left out.
+            cost[(op, _SEED)], expensive[(op, _SEED)] = 0, False
+            successors[(op, _SEED)] = units(op)
     runs = executor_order.simulate(successors, cost, expensive, threads)
-    return [run.op for run in runs]
+    return [run.op for run in runs if run.op[1] != _SEED]
 
 
 def one_thread_order(model) -> list:
