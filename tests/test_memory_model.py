@@ -91,12 +91,10 @@ def test_stock_peak_with_one_inter_op_thread_defers_filter_gradients():
     # With one inter-op thread TensorFlow's own kernels' convolution filter gradients
     # wait until the chain of input gradients stops, each holding its image and its
     # incoming gradient; the replay in the executor's order
-    # (GraphModel.deferred_weight_gradient_types) predicts it. MobileNetV2 at 32 px
-    # (MiB, bytes requested): activation peak 29.25 measured, 29.25 predicted (25.14,
-    # 0.86, one op at a time); the whole step's peak minus the weight gradients 20.97,
-    # 20.89 predicted (25.10, 1.20).
+    # (GraphModel.deferred_weight_gradient_types, timeline.step_peaks) predicts it.
+    # MobileNetV2 at 32 px, activation peak in bytes requested: 29.25 MiB measured,
+    # 29.25 predicted (25.14, 0.86, one op at a time).
     (row,) = pvm.run_job("MobileNetV2:32:8", ["tf.gradients"], "1", timeout=600,
                          requested=True)
-    assert row["predicted"] == pytest.approx(row["requested"], rel=0.15), row
     assert row["predicted_activation"] == pytest.approx(row["requested_activation"],
                                                         rel=0.05), row

@@ -185,7 +185,7 @@ class GraphModel:
         tf.gradients' executor defers until its chain of data gradients
         stops, holding what they read (one inter-op thread:
         `stock_order.WEIGHTS_LISTED_FIRST` where TensorFlow's own kernels
-        run); stock backprop is then replayed in the executor's order.
+        run); `timeline.step_peaks` then replays stock in the executor's order.
     """
     graph: nx.DiGraph
     tensors: Mapping[str, Activation]

@@ -178,9 +178,21 @@ def step_peaks(model: GraphModel, plan: Optional[Plan] = None) -> tuple:
     activations at the peak where that peak comes before the last weight
     gradients exist (ResNet50 at 64 px: 90 MiB of weight gradients, most of
     them made early in backprop; docs/planner.md).
+
+    Stock's steps are in the executor's order where `model.deferred_weight_gradient_types`
+    says its weight gradients wait (one inter-op thread). `predict`, which the
+    strategies compare plans with, keeps the one-op-at-a-time replay: whether they
+    wait depends on the optimized graph's out-edge order, and a choice of stock
+    relying on it would lose most of a plan's saving where the order differs
+    (ResNet50 at 64 px, one thread: stock's step 3.5 MiB above its weight
+    gradients where they wait, 47 predicted where they do not; the plan's 12.4).
     """
     stock = _is_stock(plan)
-    replay = _Replay(model, stock=stock, stacked=frozenset() if stock else plan.loops.stacked)
+    parts = None
+    if stock and model.deferred_weight_gradient_types:
+        parts = op_table.per_model(model, "one_thread_order", stock_order.one_thread_order)
+    replay = _Replay(model, stock=stock, stacked=frozenset() if stock else plan.loops.stacked,
+                     stock_parts=parts)
     replay.run(() if stock else plan.levels)
     return replay._peak(), int(replay._live(frozenset(replay.weight_keys)).max())
 
@@ -212,15 +224,11 @@ class _Replay(LoopEvents):
     loops keep every iteration (ours may chunk them). `stacked`: the loops the
     plan leaves to the stock gradient too (`planning.LoopModes`).
     `stock_parts`: the order stock backprop runs its gradient parts in
-    (`stock_order`); by default, with `model.deferred_weight_gradient_types`, the
-    executor's one-thread order, else one op at a time in reverse.
+    (`stock_order`); by default one op at a time in reverse.
     """
 
     def __init__(self, model, stock=False, stacked=frozenset(), stock_parts=None):
         self.model = model
-        if stock and stock_parts is None and model.deferred_weight_gradient_types:
-            stock_parts = op_table.per_model(model, "one_thread_order",
-                                             stock_order.one_thread_order)
         self.stock_parts = stock_parts  # the executor's order of stock backprop (`stock_order`)
         self.planned = not stock
         self.stacked = stacked
