@@ -405,8 +405,9 @@ def _record_backprop(op, op_inputs, activations, regions, settings, backprop):
         # it (measured in the small CNN's plan before leaf_order: a
         # convolution's tap slices and image alive with the next batch norm's
         # gradient, with one inter-op thread as with several).
-        filter_chain = conv_gradients.workspace_bytes(op, input_gradient=False)
-        if filter_chain and inputs_differentiated[1]:
+        filter_chain = conv_gradients.workspace_bytes(
+            op, input_gradient=False, filter_gradient=inputs_differentiated[1])
+        if filter_chain:
             backprop["trailing_workspace"][name] = filter_chain
     xla_dense = grouped_conv_calls.stock_workspace_bytes(op)
     if xla_dense and grouped_conv_calls.is_eligible(op):  # the rewrite takes native kernels
