@@ -96,17 +96,8 @@ def workspace_bytes(op: tf.Operation, input_gradient: bool = True,
     stride_h, stride_w = _strides(op)[1:3]
     out_bytes = op_kinds.tensor_bytes(out)
     per_channel_in = out_bytes // out.shape[-1] * channels_in
-    slices = _batch_slices(op)
-    batch_parts, largest = len(slices), slices[0]  # the first part is the largest
-    # One tap's two slices, whatever the stride, for the largest part of the batch.
-    taps = per_channel_in + out_bytes  # _tap_slice_bytes: over the whole batch
-    if largest.stop is not None:
-        taps = taps // out.shape[0] * (largest.stop - largest.start)
-    # The per-tap products, a filter's bytes in all, alive until they are stacked
-    # into the filter gradient; the last tap's, one per part, until summed.
-    parts = op_kinds.tensor_bytes(w) * (kh * kw + batch_parts - 1) // (kh * kw)
-    if not filter_gradient:
-        taps = parts = 0
+    taps, parts = (_filter_gradient_scratch(op, w, out, per_channel_in) if filter_gradient
+                   else (0, 0))
     if op.type == "Conv2DBackpropInput" or not input_gradient:
         return taps + parts  # a transposed one's input gradient is a forward Conv2D
     spread = stride_h * stride_w * (per_channel_in if (kh, kw) == (1, 1) else out_bytes)
@@ -116,6 +107,20 @@ def workspace_bytes(op: tf.Operation, input_gradient: bool = True,
     # (with several threads they met: ResNet50's plans measured 9 MiB higher).
     flipped = 0 if (kh, kw) == (1, 1) else 2 * op_kinds.tensor_bytes(w)
     return taps + (0 if spread == out_bytes else 2 * spread) + product + max(parts, flipped)
+
+
+def _filter_gradient_scratch(op, w, out, per_channel_in):
+    """(tap slices, per-tap products) of our filter gradient of `op`: one tap's
+    two slices, whatever the stride, for the largest part of the batch; the
+    products, a filter's bytes in all, alive until they are stacked into the
+    filter gradient, and the last tap's, one per part, until summed."""
+    kh, kw = w.shape.as_list()[:2]
+    slices = _batch_slices(op)
+    largest = slices[0]  # the first part is the largest
+    taps = per_channel_in + op_kinds.tensor_bytes(out)  # _tap_slice_bytes: whole batch
+    if largest.stop is not None:
+        taps = taps // out.shape[0] * (largest.stop - largest.start)
+    return taps, op_kinds.tensor_bytes(w) * (kh * kw + len(slices) - 1) // (kh * kw)
 
 
 def _tap_slice_bytes(op: tf.Operation) -> int:
