@@ -133,17 +133,22 @@ def layout(loop: tf.Operation, size: int, inputs: Sequence[tf.Tensor]) -> loop_r
     ops computing its chunk size from them."""
     if not loop_bounds.bounded_at_run_time(loop):
         bound = loop_bounds.chunk_bound(loop)
-        return loop_recording.Layout(-(-bound // size), size, bound)
+        return loop_recording.Layout(_chunks_of(bound, size), size, bound)
     with loop.graph.control_dependencies(None), tf.device(loop.device or None):
         iterations = loop_bounds.run_time_trips(loop, inputs)
         return loop_recording.Layout(
-            RUNTIME_CHUNKS, tf.maximum(-(-iterations // RUNTIME_CHUNKS), 1), iterations)
+            RUNTIME_CHUNKS, tf.maximum(_chunks_of(iterations, RUNTIME_CHUNKS), 1), iterations)
 
 
 def _chunk_count(loop: tf.Operation, size: int) -> int:
     if loop_bounds.bounded_at_run_time(loop):
         return RUNTIME_CHUNKS
-    return -(-loop_bounds.chunk_bound(loop) // size)
+    return _chunks_of(loop_bounds.chunk_bound(loop), size)
+
+
+def _chunks_of(iterations, size):
+    """ceil(iterations / size), for ints or integer tensors."""
+    return -(-iterations // size)
 
 
 def _stop_at_bound(loop: tf.Operation) -> None:
