@@ -141,24 +141,19 @@ def test_deferred_weight_gradients_replay_stock_in_the_executor_order():
     # wait (GraphModel.deferred_weight_gradient_types, stock_order.WEIGHTS_LISTED_FIRST),
     # holding their reads; a MatMul's run at once. The predicted stock step
     # (timeline.step_peaks) follows; what plans are compared with (predict) does not.
-    def activation_peak(model, data_last):
-        replay = timeline._Replay(  # pylint: disable=protected-access
-            model, stock=True, stock_parts=stock_order.parts(model, 1, data_last))
-        replay.run(())
-        live = replay._live(frozenset(replay.weight_keys))  # pylint: disable=protected-access
-        return int(live.max())
-
-    def one_thread(model):
-        return dataclasses.replace(
-            model, deferred_weight_gradient_types=stock_order.WEIGHTS_LISTED_FIRST)
+    def activation_peak(model, deferred_types):
+        return timeline.step_peaks(dataclasses.replace(
+            model, deferred_weight_gradient_types=frozenset(deferred_types)))[1]
 
     mib = 1 << 20
     convolutions = _dense_chain(6, layer_type="Conv2D")
-    several = timeline.step_peaks(convolutions)[1]
-    one = timeline.step_peaks(one_thread(convolutions))[1]
-    assert one == activation_peak(convolutions, True) >= several + 5 * mib, (one, several)
-    assert (timeline.predict(one_thread(convolutions)).baseline_bytes
+    several = activation_peak(convolutions, ())
+    one = activation_peak(convolutions, stock_order.WEIGHTS_LISTED_FIRST)
+    assert one >= several + 5 * mib, (one, several)
+    one_thread = dataclasses.replace(
+        convolutions, deferred_weight_gradient_types=stock_order.WEIGHTS_LISTED_FIRST)
+    assert (timeline.predict(one_thread).baseline_bytes
             == timeline.predict(convolutions).baseline_bytes)
     dense = _dense_chain(6)
-    one = timeline.step_peaks(one_thread(dense))[1]
-    assert one == activation_peak(dense, False) < activation_peak(dense, True) - 5 * mib, one
+    one = activation_peak(dense, stock_order.WEIGHTS_LISTED_FIRST)
+    assert one == activation_peak(dense, ()) < activation_peak(dense, {"MatMul"}) - 5 * mib, one
