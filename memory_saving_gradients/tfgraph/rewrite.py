@@ -33,6 +33,7 @@ from memory_saving_gradients.tfgraph import broadcast_sinking
 from memory_saving_gradients.tfgraph import capture_lookup
 from memory_saving_gradients.tfgraph import captured_reads
 from memory_saving_gradients.tfgraph import compat
+from memory_saving_gradients.tfgraph import constant_push_down
 from memory_saving_gradients.tfgraph import copying
 from memory_saving_gradients.tfgraph import gradient_order
 from memory_saving_gradients.tfgraph import gradient_waits
@@ -300,6 +301,9 @@ class _Backprop:
             # Means' and sums' gradients added into x's by broadcasting, not
             # as full-size copies (broadcast_sinking.py); the ops they replace are left unread.
             grads, new_ops = broadcast_sinking.sink(new_ops, grads)
+            # Constants Grappler would pair with forward tensors wait for the
+            # gradient they scale (constant_push_down.py).
+            new_ops = constant_push_down.pin(new_ops)
         recomputed = {t.ref() for t in held}
         if copies:
             captured_reads.read_copies(new_ops, {**dict(zip(names, sources)), **copies})

@@ -1,0 +1,92 @@
+"""Constants a gradient scales by wait for what they scale (tfgraph/constant_push_down.py).
+
+Grappler rewrites `(g * x) / 6` into `g * (x / 6)`, and `x / 6`, depending on
+no gradient, then runs in the forward pass. `pin` makes such constants wait
+for the product they scale. The measured effect on MobileNetV3Small is
+test_memory_model's `test_hard_swish_gradients_run_in_backprop`.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from memory_saving_gradients.tfgraph import constant_push_down
+from memory_saving_gradients.tfgraph.gradient_waits import runs_after
+from tests.harness import Model
+from tests.harness import assert_matches_stock
+from tests.harness import gradients_vs_stock
+
+
+def _hard_swish(h):
+    """Keras' form: x * (relu6(x + 3) / 6)."""
+    return h * (tf.nn.relu6(h + 3.0) / 6.0)
+
+
+def _hard_swish_chain(dtype):
+    def build(ctx, x):
+        h = x
+        for i in range(4):
+            w = ctx.variable(f"w{i}", np.random.default_rng(i).normal(
+                scale=0.5, size=(h.shape[-1], 8)).astype(dtype))
+            h = _hard_swish(tf.matmul(h, w) + (1.0 - 0.5 * i))
+        return Model(ys=[tf.reduce_sum(h * h)], xs=[x] + list(ctx.variables.values()))
+    return build
+
+
+def _stock_gradient_ops(build_loss):
+    """The ops tf.gradients makes for `build_loss(x)`'s gradient to x, in order."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [16, 8])
+        y = build_loss(x)
+        first = len(graph.get_operations())
+        tf.gradients(y, [x])
+        return graph.get_operations()[first:]
+
+
+def test_the_quotient_of_a_hard_swish_is_found():
+    ops = _stock_gradient_ops(lambda x: tf.reduce_sum(_hard_swish(x)))
+    sites = constant_push_down.pushed_down(ops)
+    assert [(op.type, index) for op, index in sites] == [("RealDiv", 1)]
+    op, index = sites[0]
+    assert op.inputs[index].op.type == "Const" and op.inputs[1 - index].op.type == "Mul"
+
+
+@pytest.mark.parametrize("loss", [lambda x: tf.reduce_sum(tf.exp(x) / 6.0),
+                                  lambda x: tf.reduce_sum(tf.exp(x)) * 3.0])
+def test_constants_scaling_the_gradient_alone_are_left(loss):
+    # The quotient's or product's other operand is the incoming gradient: no
+    # rotation pairs the constant with a forward tensor.
+    assert constant_push_down.pushed_down(_stock_gradient_ops(loss)) == []
+
+
+def test_pinned_constants_come_before_what_reads_them():
+    ops = _stock_gradient_ops(lambda x: tf.reduce_sum(_hard_swish(_hard_swish(x))))
+    sites = constant_push_down.pushed_down(ops)
+    assert len(sites) == 2
+    ordered = constant_push_down.pin(ops)
+    assert set(ops) <= set(ordered) and len(ordered) > len(ops)
+    position = {op: i for i, op in enumerate(ordered)}
+    for op in ordered:  # an order of runs: each op after the ops it waits for
+        assert all(position[before] < position[op] for before in runs_after(op)
+                   if before in position), op.name
+    for op, index in sites:  # no longer a constant, and it waits for the product
+        assert op.inputs[index].op.type != "Const"
+        assert constant_push_down.pushed_down([op]) == []
+
+
+@pytest.mark.parametrize("runtime", ["session", "function", "xla"])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["float64", "float32"])
+def test_gradients_equal_stock(runtime, dtype, monkeypatch):
+    pinned = []
+    original = constant_push_down.pin
+
+    def spy(ops):
+        pinned.append(len(constant_push_down.pushed_down(ops)))
+        return original(ops)
+    monkeypatch.setattr(constant_push_down, "pin", spy)
+    inputs = {"x": np.random.default_rng(7).normal(size=(16, 8)).astype(dtype)}
+    outcome = gradients_vs_stock(runtime, _hard_swish_chain(dtype), inputs)
+    tolerance = (1e-11, 1e-12) if dtype == np.float64 else (1e-4, 1e-5)
+    assert_matches_stock(outcome, *tolerance)
+    assert sum(pinned) >= 4, pinned  # the hard swishes' quotients, in both modes
