@@ -1,8 +1,9 @@
 """Constants a gradient scales by wait for what they scale (tfgraph/constant_push_down.py).
 
-Grappler rewrites `(g * x) / 6` into `g * (x / 6)`, and `x / 6`, depending on
-no gradient, then runs in the forward pass. `pin` makes such constants wait
-for the product they scale. The measured effect on MobileNetV3Small is
+Grappler rewrites `(g * x) / 6` into `g * (x * (1 / 6))`, and `x * (1 / 6)`,
+depending on no gradient, then runs in the forward pass. `pin` makes such
+constants wait for the product they scale (not under XLA, which orders the step
+itself). The measured effect on MobileNetV3Small is
 test_memory_model's `test_hard_swish_gradients_run_in_backprop`.
 """
 
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import memory_saving_gradients as msg
 from memory_saving_gradients.tfgraph import constant_push_down
 from memory_saving_gradients.tfgraph.gradient_waits import runs_after
 from tests.harness import Model
@@ -75,18 +77,41 @@ def test_pinned_constants_come_before_what_reads_them():
         assert constant_push_down.pushed_down([op]) == []
 
 
-@pytest.mark.parametrize("runtime", ["session", "function", "xla"])
-@pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["float64", "float32"])
-def test_gradients_equal_stock(runtime, dtype, monkeypatch):
-    pinned = []
+@pytest.fixture(name="pinned")
+def _pinned(monkeypatch):
+    """Counts the ops `pin` adds, per call while the test runs."""
+    counts = []
     original = constant_push_down.pin
 
     def spy(ops):
-        pinned.append(len(constant_push_down.pushed_down(ops)))
-        return original(ops)
+        ordered = original(ops)
+        counts.append(len(ordered) - len(ops))
+        return ordered
     monkeypatch.setattr(constant_push_down, "pin", spy)
+    return counts
+
+
+@pytest.mark.parametrize("runtime", ["session", "function", "xla"])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["float64", "float32"])
+def test_gradients_equal_stock(runtime, dtype, pinned):
     inputs = {"x": np.random.default_rng(7).normal(size=(16, 8)).astype(dtype)}
     outcome = gradients_vs_stock(runtime, _hard_swish_chain(dtype), inputs)
     tolerance = (1e-11, 1e-12) if dtype == np.float64 else (1e-4, 1e-5)
     assert_matches_stock(outcome, *tolerance)
-    assert sum(pinned) >= 4, pinned  # the hard swishes' quotients, in both modes
+    if runtime == "xla":  # XLA orders the step itself: nothing pinned
+        assert sum(pinned) == 0, pinned
+    else:  # the hard swishes' quotients, in both modes
+        assert sum(pinned) >= 4, pinned
+
+
+def test_float16_under_xla_rounds_as_stock(pinned):
+    # Pinned, the gradient would compute (g * x) / 6 in TensorFlow's order,
+    # and g * x = 30000 * 2.5 overflows float16; XLA computes g * (x * (1 / 6))
+    # for tf.gradients and, unpinned, for ours: 40000 exactly.
+    def step(x):
+        y = tf.reduce_sum(_hard_swish(x) * tf.constant(30000.0, tf.float16))
+        return tf.gradients(y, [x])[0], msg.gradients(y, [x], checkpoints=[])[0]
+    step = tf.function(step, jit_compile=True)
+    stock, ours = step(tf.fill([2, 4], tf.constant(2.5, tf.float16)))
+    np.testing.assert_array_equal(ours.numpy(), stock.numpy())
+    assert np.all(stock.numpy() == 40000.0) and sum(pinned) == 0, pinned

@@ -3,18 +3,23 @@
 Grappler's constant folding rewrites `op(C, op(X, Y))`, C constant and op an
 addition or a product (or their inverses), into `op(X, op(C, Y))`, pairing C
 with the inner op's second operand. In a gradient that operand is often a
-forward tensor: Keras' hard swish `x * relu6(x + 3) / 6` differentiates into
-`(g * x) / 6`, rewritten `g * (x * (1 / 6))`. The product of the constant and
-the forward tensor depends on no gradient, so the executor runs it in the
-forward pass and holds the result until backprop reaches it: one tensor of
-x's size per hard swish, alive across the step (MobileNetV3Small at 64 px,
-`"memory"`: 11 such products at the measured peak, the stem's 0.5 MiB
-among them, outside the plan's levels).
+forward tensor: Keras' hard swish `x * (relu6(x + 3) / 6)` differentiates into
+`(g * x) / 6`, a product by the reciprocal once folded, rewritten
+`g * (x * (1 / 6))`. The product of the constant and the forward tensor depends
+on no gradient, so the executor runs it in the forward pass and holds the
+result until backprop reaches it: one tensor of x's size per hard swish, alive
+across the step (MobileNetV3Small at 64 px, `"memory"`: 11 such products at the
+measured peak, the stem's 0.5 MiB among them, outside the plan's levels).
 
 `pin(ops)` makes each such constant depend on the inner op's result (the
 constant plus a zero no optimizer folds, `gradient_waits.seed_after_gate`):
-no longer constant, it is not pushed down, and the gradient is computed as
-TensorFlow wrote it, after the gradient it scales.
+no longer constant, it is not pushed down, and the gradient is computed in the
+order TensorFlow wrote it, after the gradient it scales. That order rounds as
+the eager tape does, not as the rotated form: in float16, `g * x` can
+overflow where `g * (x * (1 / 6))` did not. Under XLA, which orders and
+fuses the step itself, nothing is pinned: there the rotation moves nothing
+into the forward pass, and pinning changed float16 gradients that matched
+stock's bit for bit (a large `g` made them infinite).
 """
 
 from __future__ import annotations
@@ -52,13 +57,13 @@ def pushed_down(ops: list) -> list:
 
 def pin(ops: list) -> list:
     """Makes each constant of `pushed_down(ops)` wait for the operand it
-    scales. Returns `ops` with the ops that does so, each site's just before
-    the op it feeds (the ordering passes after it take the list for an order
-    of runs)."""
+    scales, outside XLA. Returns `ops` with the ops that does so, each
+    site's just before the op it feeds (the ordering passes after it take the
+    list for an order of runs)."""
     sites = pushed_down(ops)
-    if not sites:
+    if not sites or compat.in_xla_context(sites[0][0].graph):
         return ops
-    graph = ops[0].graph
+    graph = sites[0][0].graph
     first = len(graph.get_operations())
     pinned = {}
     for op, index in sites:
