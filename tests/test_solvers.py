@@ -114,15 +114,25 @@ def milp_least_recompute(problem, budget):
     integrality = np.zeros(columns)
     integrality[:y_col] = 1
     low, high = zip(*bounds)
-    found = optimize.milp(objective, integrality=integrality,
-                          bounds=optimize.Bounds(0, [1] * y_col + [np.inf] * (columns - y_col)),
-                          constraints=optimize.LinearConstraint(matrix, low, high))
+    problem_args = dict(
+        integrality=integrality,
+        bounds=optimize.Bounds(0, [1] * y_col + [np.inf] * (columns - y_col)),
+        constraints=optimize.LinearConstraint(matrix, low, high))
+    found = optimize.milp(objective, **problem_args)
+    if not found.success:
+        # HiGHS's presolve called a feasible 4-op problem infeasible (scipy
+        # 1.17.1: no cut fits the budget exactly; solved without it, 0).
+        found = optimize.milp(objective, options={"presolve": False}, **problem_args)
     return found.fun if found.success else None
 
 
 @pytest.mark.slow  # HiGHS on up to 60 ops, 12 examples: about 1-4 minutes on 2 shared cores
 @hypothesis.settings(max_examples=12, deadline=None)
 @hypothesis.given(problem=problems(), share=st.floats(0, 1))
+@hypothesis.example(  # HiGHS's presolve called it infeasible (a CI run, session 44)
+    problem=cuts.make_problem([f"op{i}" for i in range(4)], [2, 1, 1, 1], [1, 1, 1, 1],
+                              [3, 1, 2, 4], [False] * 4, op_held=[0, 0, 1, 1]),
+    share=0.0)
 def test_budgeted_recompute_matches_the_milp_optimum(problem, share):
     pytest.importorskip("scipy")
     least = solvers.least_peak(problem).cost.peak_bytes

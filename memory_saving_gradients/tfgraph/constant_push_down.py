@@ -72,15 +72,15 @@ def pin(ops: list) -> list:
                 op.inputs[index], gradient_waits.gate([op.inputs[1 - index]]))
         compat.replace_input(op, index, constant)
         pinned[op] = constant.op
-    position = {made: i for i, made in enumerate(graph.get_operations()[first:])}
+    position = {new: i for i, new in enumerate(graph.get_operations()[first:])}
     placed = {}
     for op, last in pinned.items():  # a walk over one site's few ops each
         group, todo = set(), [last]
         while todo:
-            made = todo.pop()
-            if made in position and made not in group:
-                group.add(made)
-                todo.extend(gradient_waits.runs_after(made))
+            new = todo.pop()
+            if new in position and new not in group:
+                group.add(new)
+                todo.extend(gradient_waits.runs_after(new))
         placed[op] = sorted(group, key=position.__getitem__)
     return [new for op in ops for new in placed.get(op, []) + [op]]
 
