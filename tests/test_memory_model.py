@@ -80,8 +80,10 @@ def test_stock_peak_within_the_executor_order_range(threads):
     # 12.0-12.5 MiB against 8.5 predicted by the one-op-at-a-time replay (0.68-0.71; the
     # 16-block MLP 23.1-23.5 against 15.5). Which gradients wait depends on the optimized graph's
     # out-edge order, which the op-level graph does not show, so the executor's order is
-    # replayed for both (`timeline.stock_peak_range`): 10.3-17.0 MiB here; with default
-    # threading 8.6 (one point) against 8.2-8.5. Bytes requested, not BFC's chunks.
+    # replayed for both (`timeline.stock_peak_range`): 8.9-16.0 MiB. With default threading
+    # 8.1-8.9 here, 9.6 in a CI run under pytest-xdist, against 8.0-8.1 replayed with two
+    # threads: a starved executor takes the one-thread order, so that range is included
+    # (8.0-16.0). Bytes requested, not BFC's chunks.
     (row,) = pvm.run_job("mlp:8:1024", ["tf.gradients"], threads, timeout=600, requested=True)
     low, high = row["predicted_range"]
     assert 0.85 * low <= row["requested"] <= 1.15 * high, row
