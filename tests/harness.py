@@ -338,6 +338,36 @@ def ancestors(tensors) -> set:
     return found
 
 
+def assert_an_order_of_runs(ordered):
+    """Each op of `ordered` comes after the ops of `ordered` it waits for."""
+    position = {op: i for i, op in enumerate(ordered)}
+    for op in ordered:
+        assert all(position[before] < position[op] for before in gradient_waits.runs_after(op)
+                   if before in position), op.name
+
+
+def stock_gradient_ops(ys, xs) -> tuple:
+    """(tf.gradients(ys, xs), the ops that call made in creation order), in the default graph."""
+    graph = tf.compat.v1.get_default_graph()
+    first = len(graph.get_operations())
+    grads = stock_gradients(ys, xs)
+    return grads, graph.get_operations()[first:]
+
+
+def spy(monkeypatch, module, name: str, count) -> list:
+    """Wraps `module.name` while the test runs: each call's `count(args, result)` is
+    appended to the list returned."""
+    counts = []
+    original = getattr(module, name)
+
+    def wrapper(*args):
+        result = original(*args)
+        counts.append(count(args, result))
+        return result
+    monkeypatch.setattr(module, name, wrapper)
+    return counts
+
+
 def module_result(module: str, threads: str) -> dict:
     """The JSON a `python -m module` measuring script prints last, run in a fresh
     process with allocator statistics on and TensorFlow's default threading

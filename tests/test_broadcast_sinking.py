@@ -14,10 +14,12 @@ import tensorflow as tf
 import memory_saving_gradients as msg
 from memory_saving_gradients.tfgraph import broadcast_sinking
 from memory_saving_gradients.tfgraph import profiled_allocations
-from memory_saving_gradients.tfgraph.gradient_waits import runs_after
 from tests.harness import ancestors
+from tests.harness import assert_an_order_of_runs
 from tests.harness import assert_matches_stock
 from tests.harness import gradients_vs_stock
+from tests.harness import spy
+from tests.harness import stock_gradient_ops
 
 RUNTIMES = ("session", "function", "xla")
 # (rtol, atol) per dtype: only the order of one addition differs from tf.gradients.
@@ -40,17 +42,10 @@ def _normal(shape, seed, dtype=np.float32, scale=0.3):
 @pytest.fixture(name="replaced")
 def _replaced(monkeypatch):
     """Counts the broadcasts `sink` leaves unread, per call while the test runs."""
-    counts = []
-    original = broadcast_sinking.sink
-
-    def spy(new_ops, gradients):
-        swapped, ordered = original(new_ops, gradients)
-        kept = set(ordered)
-        counts.append(sum(op.type in ("Tile", "BroadcastTo") and op not in kept
-                          for op in new_ops))
-        return swapped, ordered
-    monkeypatch.setattr(broadcast_sinking, "sink", spy)
-    return counts
+    def unread(args, result):
+        new_ops, kept = args[0], set(result[1])
+        return sum(op.type in ("Tile", "BroadcastTo") and op not in kept for op in new_ops)
+    return spy(monkeypatch, broadcast_sinking, "sink", unread)
 
 
 @pytest.fixture(name="sinking_off")
@@ -251,17 +246,13 @@ def test_a_sum_of_two_broadcasts_leaves_neither():
         y = (tf.reduce_sum(tf.sin(tf.reduce_sum(x, 0, keepdims=True)))
              + tf.reduce_sum(tf.cos(tf.reduce_sum(x, 1, keepdims=True))))
         first = len(graph.get_operations())
-        stock = tf.gradients(y, [x])
-        new_ops = graph.get_operations()[first:]
+        stock, new_ops = stock_gradient_ops(y, [x])
         swapped, ordered = broadcast_sinking.sink(new_ops, stock)
     needed = ancestors(swapped)
     assert not [op.name for op in needed if op.type == "Tile"]
     made = set(graph.get_operations()[first:])
     assert needed & made <= set(ordered)
-    position = {op: i for i, op in enumerate(ordered)}
-    for op in ordered:  # an order of runs: each op after the ops it waits for
-        assert all(position[before] < position[op] for before in runs_after(op)
-                   if before in position), op.name
+    assert_an_order_of_runs(ordered)
     value = np.random.default_rng(0).normal(size=(32, 16))
     with tf.compat.v1.Session(graph=graph) as session:
         ours, theirs = session.run([swapped[0], stock[0]], {x: value})

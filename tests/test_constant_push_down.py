@@ -13,10 +13,12 @@ import tensorflow as tf
 
 import memory_saving_gradients as msg
 from memory_saving_gradients.tfgraph import constant_push_down
-from memory_saving_gradients.tfgraph.gradient_waits import runs_after
 from tests.harness import Model
+from tests.harness import assert_an_order_of_runs
 from tests.harness import assert_matches_stock
 from tests.harness import gradients_vs_stock
+from tests.harness import spy
+from tests.harness import stock_gradient_ops
 
 
 def _hard_swish(h):
@@ -37,13 +39,9 @@ def _hard_swish_chain(dtype):
 
 def _stock_gradient_ops(build_loss):
     """The ops tf.gradients makes for `build_loss(x)`'s gradient to x, in order."""
-    graph = tf.Graph()
-    with graph.as_default():
+    with tf.Graph().as_default():
         x = tf.compat.v1.placeholder(tf.float32, [16, 8])
-        y = build_loss(x)
-        first = len(graph.get_operations())
-        tf.gradients(y, [x])
-        return graph.get_operations()[first:]
+        return stock_gradient_ops(build_loss(x), [x])[1]
 
 
 def test_the_quotient_of_a_hard_swish_is_found():
@@ -68,10 +66,7 @@ def test_pinned_constants_come_before_what_reads_them():
     assert len(sites) == 2
     ordered = constant_push_down.pin(ops)
     assert set(ops) <= set(ordered) and len(ordered) > len(ops)
-    position = {op: i for i, op in enumerate(ordered)}
-    for op in ordered:  # an order of runs: each op after the ops it waits for
-        assert all(position[before] < position[op] for before in runs_after(op)
-                   if before in position), op.name
+    assert_an_order_of_runs(ordered)
     for op, index in sites:  # no longer a constant, and it waits for the product
         assert op.inputs[index].op.type != "Const"
         assert constant_push_down.pushed_down([op]) == []
@@ -80,15 +75,8 @@ def test_pinned_constants_come_before_what_reads_them():
 @pytest.fixture(name="pinned")
 def _pinned(monkeypatch):
     """Counts the ops `pin` adds, per call while the test runs."""
-    counts = []
-    original = constant_push_down.pin
-
-    def spy(ops):
-        ordered = original(ops)
-        counts.append(len(ordered) - len(ops))
-        return ordered
-    monkeypatch.setattr(constant_push_down, "pin", spy)
-    return counts
+    return spy(monkeypatch, constant_push_down, "pin",
+               lambda args, ordered: len(ordered) - len(args[0]))
 
 
 @pytest.mark.parametrize("runtime", ["session", "function", "xla"])
