@@ -108,9 +108,10 @@ def test_hard_swish_gradients_run_in_backprop():
     # forward pass, one per hard swish, each held until backprop reached it
     # (constant_push_down.py). MobileNetV3Small at 64 px, 'memory', activation
     # peak in bytes requested: 5.90 MiB measured against 4.55 predicted (0.77)
-    # with them, 4.93 (0.92) without; what remains is the rescaled image the stem's
-    # filter gradient reads, made outside the region the model reads.
+    # with them, 4.93 (0.92) without; 4.92 predicted (1.00) since the model counts
+    # the rescaled image the stem's filter gradient reads (GraphModel.outside_reads).
+    # Hoisted again, 5.90 against 4.92 would be 0.83.
     (row,) = pvm.run_job("MobileNetV3Small:64:8", ["memory"], "default", timeout=600,
                          requested=True)
     assert row["predicted_activation"] == pytest.approx(row["requested_activation"],
-                                                        rel=0.15), row
+                                                        rel=0.08), row

@@ -181,6 +181,12 @@ class GraphModel:
         output is the smaller): the activations only the weight gradient
         reads are free before the input gradient is allocated. Stock
         leaves the two unordered.
+      outside_reads: op name -> tensors its gradient reads that the step makes
+        outside the region, from the data alone (a rescaled image the stem's
+        filter gradient reads): alive from the step's start until that
+        gradient has run, whatever the plan. Not activations: never kept or
+        recomputed by a plan.
+      outside_bytes: name -> bytes of the tensors of `outside_reads`.
       deferred_weight_gradient_types: op types whose weight gradients stock
         tf.gradients' executor defers until its chain of data gradients
         stops, holding what they read (one inter-op thread:
@@ -217,6 +223,8 @@ class GraphModel:
         dataclasses.field(default_factory=dict))
     stock_forwarded_grads: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
     stock_workspace_forwards: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
+    outside_reads: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    outside_bytes: Mapping[str, int] = dataclasses.field(default_factory=dict)
     weights_first: frozenset[str] = frozenset()
     deferred_weight_gradient_types: frozenset[str] = frozenset()
 

@@ -28,7 +28,8 @@ class OpRow:
     Attributes:
       inputs: activation tensors it reads, each once, in graph order.
       outputs: its activation outputs.
-      reads: activations its gradient reads (`gradient_reads`).
+      reads: activations its gradient reads (`gradient_reads`), then the tensors
+        made outside the region it reads (`GraphModel.outside_reads`).
       grads: (input, bytes) for each floating input its gradient makes a gradient for.
       passed: (input, output) pairs: the input's gradient is that output's
         gradient itself (`GraphModel.passed_grads`).
@@ -85,6 +86,7 @@ def _build_rows(model):
     for op, outputs in model.op_outputs.items():
         inputs = tuple(dict.fromkeys(p for o in outputs for p in graph.predecessors(o)))
         reads = model.grad_reads[op] if op in model.grad_reads else inputs + tuple(outputs)
+        reads = tuple(reads) + model.outside_reads.get(op, ())
         first = tensors[outputs[0]]
         ungraded = model.ungraded.get(op, ())
         table[op] = OpRow(

@@ -203,7 +203,8 @@ def op_order(model: GraphModel) -> tuple:
 
 
 def gradient_reads(model: GraphModel, op: str) -> tuple:
-    """Activation tensors the gradient of `op` reads.
+    """Activation tensors the gradient of `op` reads, then those made outside
+    the region it reads (`GraphModel.outside_reads`).
 
     Models that do not say (hand-built ones) are assumed to read every
     activation input and output, as most ops' gradients do.
@@ -647,6 +648,8 @@ class _Replay(LoopEvents):
 def _forward_pass_of(model):
     """A replay after the original ops ran, their loops left out (`_Replay._forward_pass`)."""
     replay = _Replay(model)
+    for name, size in model.outside_bytes.items():  # made before the region's ops
+        replay._alloc(_original(name), size)  # pylint: disable=protected-access
     for op in op_order(model):
         replay._forward(op, _original, ("fwd",))  # pylint: disable=protected-access
     return replay
@@ -659,7 +662,7 @@ def _original(tensor):
 
 def _forward_keys(model):
     """Tensor name -> `_original(name)`, made once per model (replays read them often)."""
-    return {name: ("fwd", name) for name in model.tensors}
+    return {name: ("fwd", name) for name in [*model.tensors, *model.outside_bytes]}
 
 
 def _needed_copies(model, copy_ops):

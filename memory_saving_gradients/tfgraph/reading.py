@@ -16,6 +16,7 @@ import tensorflow as tf
 
 from memory_saving_gradients.core import collector
 from memory_saving_gradients.core import stock_order
+from memory_saving_gradients.core import timeline
 from memory_saving_gradients.core.model import Activation
 from memory_saving_gradients.core.model import GraphModel
 from memory_saving_gradients.tfgraph import broadcast_sinking
@@ -32,6 +33,8 @@ from memory_saving_gradients.tfgraph import grouped_conv_calls
 from memory_saving_gradients.tfgraph import transposed_copies
 from memory_saving_gradients.tfgraph import workspace
 
+# Ops whose tensors exist before the step: feeds and a tf.function's arguments.
+_FED_OP_TYPES = frozenset({"Placeholder", "PlaceholderV2", "PlaceholderWithDefault"})
 # Sources of the back edges of tf.compat.v1 while loops.
 _BACK_EDGE_OP_TYPES = frozenset({"NextIteration", "RefNextIteration"})
 
@@ -187,7 +190,7 @@ def build_model(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor]) -> Reading:
     tensors, pinned, op_outputs, op_inputs, edges = {}, set(), {}, {}, []
     other_bytes, weights_first = 0, set()
     region = frozenset(o.name for op in units for o in op.outputs)
-    regions = (region - activations, region | x_names)
+    regions = (region - activations, region | x_names, data)
     # Asked once each: each ask reads the config (and the environment, the CPU affinity).
     folds = compat.folds_constants(ys[0].graph)
     concurrent = workspace.several_inter_op_threads()
@@ -197,7 +200,8 @@ def build_model(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor]) -> Reading:
                 "trailing_workspace": {}, "ungraded": {}, "shared_buffers": {},
                 "early_workspace": {}, "small_grads": {}, "passed_grads": {},
                 "forwarding": {}, "forwarded_grads": {}, "workspace_forwards": {},
-                "stock_forwarded_grads": {}, "stock_workspace_forwards": {}}
+                "stock_forwarded_grads": {}, "stock_workspace_forwards": {},
+                "outside_reads": {}, "outside_bytes": {}}
     for op in units:
         name = op.name
         op_inputs[name] = tuple(i.name for i in inputs[op])
@@ -352,18 +356,34 @@ def _names_read(op, reads):
     return read
 
 
+def _made_outside(op, read, differentiated, data) -> dict:
+    """Name -> bytes of the tensors of `read` (names `op`'s gradient reads) that
+    the step makes outside the region from its data alone (a rescaled image the
+    stem's filter gradient reads), not the fed ones: those exist before the step."""
+    made = {}
+    for t in op.inputs:
+        if t.name in read and t.name not in differentiated and t.name in data:
+            root = t
+            while root.op.type in timeline.ALIASING_OP_TYPES and root.op.inputs:
+                root = root.op.inputs[0]
+            if root.op.type not in _FED_OP_TYPES:
+                made[t.name] = op_kinds.tensor_bytes(t)
+    return made
+
+
 def _record_backprop(op, op_inputs, activations, regions, settings, backprop):
     """What `op`'s gradient reads, allocates besides its results, sends to weights.
 
     `regions`: (names of the region's tensors that are not activations, whose
     gradients are weight gradients; names of the region's tensors and the xs,
-    what backprop takes gradients of: other inputs' gradient branches are pruned).
+    what backprop takes gradients of: other inputs' gradient branches are pruned;
+    names of the graph's per-example tensors, `DataTensors`).
     `settings`: whether Grappler folds the graph's constants
     (`compat.folds_constants`), `Reading.gated`, and whether the executor runs
     independent ops at once (`workspace.several_inter_op_threads`). Returns whether the
     gradient is linear in the incoming gradients (`gradient_linearity`).
     """
-    weights, differentiated = regions
+    weights, differentiated, data = regions
     folds, gated, concurrent = settings
     name = op.name
     inputs_differentiated = [t.name in differentiated for t in op.inputs]
@@ -387,6 +407,10 @@ def _record_backprop(op, op_inputs, activations, regions, settings, backprop):
         _record_forwarding(op, reads, activations, backprop, gated)
         linear = reads.linear
     backprop["grad_reads"][name] = tuple(n for n in read if n in activations)
+    outside = _made_outside(op, read, differentiated, data)
+    if outside:
+        backprop["outside_reads"][name] = tuple(outside)
+        backprop["outside_bytes"].update(outside)
     if broadcast_sinking.keeps_small(
             op, lambda reader: any(o.name in differentiated for o in reader.outputs)):
         backprop["small_grads"][name] = op_kinds.tensor_bytes(op.outputs[0])
