@@ -1,11 +1,12 @@
 """Tensors the step makes outside the region that gradients read (GraphModel.outside_reads).
 
 A model that rescales its image itself (MobileNetV3, EfficientNet) makes the
-rescaled image from the data alone, outside the region between the weights
-and the loss, and its stem's filter gradient reads it: it lives from the
-forward pass until backprop's last gradient whatever the plan. Unread by the
-model, MobileNetV3Small's 'memory' plan (64 px) was predicted 0.92 of its
-measured activation peak; read, 1.00 (test_memory_model).
+rescaled image from the data, outside the region between the weights and the
+loss, and its stem's filter gradient reads it; a frozen backbone's features
+are read by the head's weight gradient so. They live from the forward pass
+until that gradient whatever the plan. Unread by the model, MobileNetV3Small's
+'memory' plan (64 px) was predicted 0.92 of its measured activation peak; read,
+1.00 (test_memory_model).
 """
 
 import contextlib
@@ -19,38 +20,43 @@ from benchmarks.live_set_diff import activation_peak
 from benchmarks.live_set_diff import allocator_events
 from memory_saving_gradients.core import timeline
 
-IMAGE = [64, 32, 32, 3]  # 768 KiB of float32
-IMAGE_BYTES = 64 * 32 * 32 * 3 * 4
+BATCH, FEATURES = 64, 3072
+IMAGE_BYTES = BATCH * FEATURES * 4  # 768 KiB of float32
 
 
-def _stem_step(rescale, mode=None):
+def _stem_step(prelude, mode=None):
     """A dense stem and a few small tanh layers (no kernel scratch to speak of, so
-    the image is most of the peak); the stem reads the flattened image
-    rescaled in the step (`rescale`) or as fed, and the step's tf.gradients is
-    ours in `mode` (None: stock). (step, the plan of `mode` or 'memory', image)."""
-    stem = tf.Variable(tf.random.stateless_normal([32 * 32 * 3, 8], seed=[1, 2], stddev=0.01))
+    what the stem reads is most of the peak). The stem reads the image as fed
+    (`prelude` "fed"), rescaled in the step ("rescaled") or through a frozen
+    layer ("frozen"); the step's tf.gradients is ours in `mode` (None: stock).
+    (step, the plan of `mode` or 'memory', image)."""
+    frozen = tf.Variable(tf.random.stateless_normal([FEATURES] * 2, seed=[7, 8], stddev=0.01),
+                         trainable=False)
+    stem = tf.Variable(tf.random.stateless_normal([FEATURES, 8], seed=[1, 2], stddev=0.01))
     dense = tf.Variable(tf.random.stateless_normal([8, 8], seed=[3, 4], stddev=0.2))
     found = {}
 
     @tf.function
     def step(image, _):
-        h = image * (1.0 / 255.0) if rescale else image
-        h = tf.matmul(tf.reshape(h, [IMAGE[0], -1]), stem)
+        h = {"fed": lambda: image, "rescaled": lambda: image * (1.0 / 255.0),
+             "frozen": lambda: tf.tanh(tf.matmul(image, frozen))}[prelude]()
+        h = tf.matmul(h, stem)
         for k in range(4):
             h = tf.tanh(tf.matmul(h, dense) + 0.1 * (k + 1))
         loss = tf.reduce_sum(h * h)
         found["plan"] = msg.checkpoint_plan(loss, [stem, dense], mode or "memory")
         return tf.gradients(loss, [stem, dense])
 
-    image = tf.random.stateless_uniform(IMAGE, seed=[5, 6], maxval=255.0)
+    image = tf.random.stateless_uniform([BATCH, FEATURES], seed=[5, 6], maxval=255.0)
     with msg.checkpointing(mode) if mode else contextlib.nullcontext():
         step(image, None)
     step(image, None)
     return step, found["plan"], image
 
 
-def test_a_rescaled_image_read_by_the_stem_gradient_is_counted():
-    model = _stem_step(rescale=True)[1].model
+@pytest.mark.parametrize("prelude", ["rescaled", "frozen"])
+def test_what_the_stem_gradient_reads_is_counted(prelude):
+    model = _stem_step(prelude)[1].model
     ((stem, read),) = model.outside_reads.items()
     assert model.tensors[model.op_outputs[stem][0]].op_type == "MatMul"
     assert [model.outside_bytes[name] for name in read] == [IMAGE_BYTES]
@@ -58,20 +64,20 @@ def test_a_rescaled_image_read_by_the_stem_gradient_is_counted():
 
 
 def test_a_fed_image_is_not_counted():
-    # The argument (and its reshape, its buffer) exists before the step: not the
-    # step's activation memory.
-    model = _stem_step(rescale=False)[1].model
+    # The argument exists before the step: not the step's activation memory.
+    model = _stem_step("fed")[1].model
     assert (model.outside_reads, model.outside_bytes) == ({}, {})
 
 
+@pytest.mark.parametrize("prelude", ["rescaled", "frozen"])
 @pytest.mark.parametrize("mode", [None, "memory", "speed"])
-def test_activation_peak_predicted_with_the_rescaled_image(mode):
-    step, plan, image = _stem_step(rescale=True, mode=mode)
+def test_activation_peak_predicted_with_what_the_stem_reads(mode, prelude):
+    step, plan, image = _stem_step(prelude, mode=mode)
     levels = None if mode is None else plan.plan
     measured = activation_peak(allocator_events(step, image, None))
     _, predicted = timeline.step_peaks(plan.model, levels)
     assert predicted == pytest.approx(measured, rel=0.15), (predicted, measured)
-    # Without the image the prediction misses by its bytes (most of the peak here).
+    # Without it the prediction misses by its bytes (most of the peak here).
     unread = dataclasses.replace(plan.model, outside_reads={}, outside_bytes={})
     _, without = timeline.step_peaks(unread, levels)
     assert without <= predicted - IMAGE_BYTES // 2, (without, predicted)

@@ -182,10 +182,10 @@ class GraphModel:
         reads are free before the input gradient is allocated. Stock
         leaves the two unordered.
       outside_reads: op name -> tensors its gradient reads that the step makes
-        outside the region, from the data alone (a rescaled image the stem's
-        filter gradient reads): alive from the step's start until that
-        gradient has run, whatever the plan. Not activations: never kept or
-        recomputed by a plan.
+        from its data by ops outside the region (a rescaled image the stem's
+        filter gradient reads, a frozen backbone's features): alive from the
+        step's start until that gradient has run, whatever the plan. Not
+        activations: never kept or recomputed by a plan.
       outside_bytes: name -> bytes of the tensors of `outside_reads`.
       deferred_weight_gradient_types: op types whose weight gradients stock
         tf.gradients' executor defers until its chain of data gradients

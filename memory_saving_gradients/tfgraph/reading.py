@@ -358,8 +358,9 @@ def _names_read(op, reads):
 
 def _made_outside(op, read, differentiated, data) -> dict:
     """Name -> bytes of the tensors of `read` (names `op`'s gradient reads) that
-    the step makes outside the region from its data alone (a rescaled image the
-    stem's filter gradient reads), not the fed ones: those exist before the step."""
+    the step makes from its data by ops outside the region (a rescaled image the
+    stem's filter gradient reads, a frozen backbone's features), not the fed
+    ones: those exist before the step."""
     made = {}
     for t in op.inputs:
         if t.name in read and t.name not in differentiated and t.name in data:
