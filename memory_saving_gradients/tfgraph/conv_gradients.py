@@ -335,7 +335,11 @@ def _input_gradient(axes, w, grad):
     pads = [[0, 0]] + [[axis.kernel - 1 - axis.before, axis.length + axis.before - size]
                        for axis, size in zip(axes, spread.shape[1:3])] + [[0, 0]]
     if (kh, kw) != (1, 1):
-        flipped = tf.transpose(tf.reverse(w, [0, 1]), [0, 1, 3, 2])
+        # The flip reads the filter alone: unordered, it ran in the forward pass
+        # and its two filter-sized results lived until this product (a recomputed
+        # copy's, in the keras.io U-Net: 72-288 KiB each).
+        with tf.control_dependencies([spread]):
+            flipped = tf.transpose(tf.reverse(w, [0, 1]), [0, 1, 3, 2])
         return tf.nn.conv2d(spread, flipped, 1, pads)
     return tf.pad(spread, pads) if any(after for _, after in pads[1:3]) else spread
 
