@@ -33,8 +33,10 @@ from memory_saving_gradients.tfgraph import grouped_conv_calls
 from memory_saving_gradients.tfgraph import transposed_copies
 from memory_saving_gradients.tfgraph import workspace
 
-# Ops whose tensors exist before the step: feeds and a tf.function's arguments.
-_FED_OP_TYPES = frozenset({"Placeholder", "PlaceholderV2", "PlaceholderWithDefault"})
+# Ops whose output is their first input's buffer, passed on. `_made_outside`
+# walks back through them to the buffer a tensor made outside the region is.
+_PASS_THROUGH_OP_TYPES = timeline.ALIASING_OP_TYPES | {
+    "EnsureShape", "CheckNumerics", "CheckNumericsV2", "Switch", "RefSwitch", "Enter", "RefEnter"}
 # Sources of the back edges of tf.compat.v1 while loops.
 _BACK_EDGE_OP_TYPES = frozenset({"NextIteration", "RefNextIteration"})
 
@@ -357,18 +359,21 @@ def _names_read(op, reads):
 
 
 def _made_outside(op, read, differentiated, data) -> dict:
-    """Name -> bytes of the tensors of `read` (names `op`'s gradient reads) that
-    the step makes from its data by ops outside the region (a rescaled image the
-    stem's filter gradient reads, a frozen backbone's features), not the fed
-    ones: those exist before the step."""
+    """Buffer name -> bytes of the tensors of `read` (names `op`'s gradient
+    reads) that the step makes from its data by ops outside the region (a
+    rescaled image the stem's filter gradient reads, a frozen backbone's
+    features), each named by the tensor whose buffer it is (a reshaped view is
+    its source). Not fed ones nor dataset elements: those exist before the step
+    (measured). Not a loop's: `loop_memory` prices what its chunks rerun from."""
+    if op.type in loops.LOOP_OP_TYPES:
+        return {}
     made = {}
     for t in op.inputs:
         if t.name in read and t.name not in differentiated and t.name in data:
-            root = t
-            while root.op.type in timeline.ALIASING_OP_TYPES and root.op.inputs:
-                root = root.op.inputs[0]
-            if root.op.type not in _FED_OP_TYPES:
-                made[t.name] = op_kinds.tensor_bytes(t)
+            while t.op.type in _PASS_THROUGH_OP_TYPES and t.op.inputs:
+                t = t.op.inputs[0]
+            if t.op.type not in op_kinds.DATA_SOURCE_OP_TYPES:
+                made[t.name] = loop_memory.list_bytes(t)
     return made
 
 
