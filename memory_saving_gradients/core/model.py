@@ -181,12 +181,13 @@ class GraphModel:
         output is the smaller): the activations only the weight gradient
         reads are free before the input gradient is allocated. Stock
         leaves the two unordered.
-      outside_reads: op name -> tensors its gradient reads that the step makes
-        from its data by ops outside the region (a rescaled image the stem's
-        filter gradient reads, a frozen backbone's features): alive from the
+      outside_reads: op name -> the buffers of tensors its gradient reads that
+        the step makes from its data by ops outside the region (a rescaled
+        image the stem's filter gradient reads, a frozen backbone's features),
+        each named by the tensor that made it (a view's source): alive from the
         step's start until that gradient has run, whatever the plan. Not
         activations: never kept or recomputed by a plan.
-      outside_bytes: name -> bytes of the tensors of `outside_reads`.
+      outside_bytes: buffer name -> bytes, for the buffers of `outside_reads`.
       deferred_weight_gradient_types: op types whose weight gradients stock
         tf.gradients' executor defers until its chain of data gradients
         stops, holding what they read (one inter-op thread:

@@ -33,8 +33,8 @@ from memory_saving_gradients.tfgraph import grouped_conv_calls
 from memory_saving_gradients.tfgraph import transposed_copies
 from memory_saving_gradients.tfgraph import workspace
 
-# Ops whose output is their first input's buffer, passed on. `_made_outside`
-# walks back through them to the buffer a tensor made outside the region is.
+# Ops whose output is their first input's buffer, passed on: `_made_outside`
+# walks back through them to the op that made a buffer.
 _PASS_THROUGH_OP_TYPES = timeline.ALIASING_OP_TYPES | {
     "EnsureShape", "CheckNumerics", "CheckNumericsV2", "Switch", "RefSwitch", "Enter", "RefEnter"}
 # Sources of the back edges of tf.compat.v1 while loops.
