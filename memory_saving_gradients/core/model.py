@@ -30,7 +30,7 @@ class Activation:
       name: the tensor's name, e.g. 'dense/Relu:0'.
       op: name of the op producing it.
       op_type: that op's type, e.g. 'Relu'.
-      bytes: size from the static shape (unknown dims counted as 1).
+      bytes: size from the static shape (`GraphModel.unsized`).
       cost: rough FLOPs of the producing op.
       recomputable: whether that op may be copied and rerun.
       is_float: whether the tensor is floating point (integer and shape
@@ -193,6 +193,11 @@ class GraphModel:
         stops, holding what they read (one inter-op thread:
         `stock_order.WEIGHTS_LISTED_FIRST` where TensorFlow's own kernels
         run); `timeline.step_peaks` then replays stock in the executor's order.
+      unsized: activation name -> its static shape, as text, for activations
+        whose shape leaves a dimension unknown when traced (a batch of a
+        dataset batched without drop_remainder); their `bytes` count each
+        unknown dimension as `unknown_dim_size`.
+      unknown_dim_size: what an unknown dimension counts as in `bytes`.
     """
     graph: nx.DiGraph
     tensors: Mapping[str, Activation]
@@ -228,6 +233,8 @@ class GraphModel:
     outside_bytes: Mapping[str, int] = dataclasses.field(default_factory=dict)
     weights_first: frozenset[str] = frozenset()
     deferred_weight_gradient_types: frozenset[str] = frozenset()
+    unsized: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    unknown_dim_size: int = 1
 
     def op_of(self, name: str) -> str:
         """The op producing activation `name`."""

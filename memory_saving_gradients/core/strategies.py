@@ -347,10 +347,22 @@ def select(model: GraphModel, mode: str, names=(), strategy=None) -> Result:
         result = _custom(model, strategy)
     else:
         result = explicit(model, names, mode)
+    if model.unsized:
+        result = dataclasses.replace(result, notes=result.notes + (unsized_note(model),))
     logger.info("memory_saving_gradients: strategy %s %s; %s", result.strategy,
                 "leaves the gradient to tf.gradients" if result.plan.stock
                 else f"keeps {len(result.chosen)} tensors", "; ".join(result.notes) or "-")
     return result
+
+
+def unsized_note(model: GraphModel) -> str:
+    """Says which sizes a plan assumed, for a model with `unsized` activations."""
+    name, shape = next(iter(model.unsized.items()))
+    return (f"{len(model.unsized)} activations have dimensions unknown when traced (e.g. "
+            f"{name!r}: {shape}); each such dimension is counted as "
+            f"{model.unknown_dim_size}, so predicted bytes are for that size. For a plan "
+            f"sized to your batch, trace the step with a static batch (dataset.batch(n, "
+            f"drop_remainder=True), or a tf.function input_signature with it)")
 
 
 def run(model: GraphModel, checkpoints) -> Result:

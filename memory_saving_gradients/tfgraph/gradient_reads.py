@@ -154,7 +154,12 @@ def _probed(op, wanted, folds):
     if grad_fn is None:
         return Reads((), ())
     try:
-        return _probe(op, grad_fn, wanted, folds)
+        try:
+            return _probe(op, grad_fn, wanted, folds, sized=True)
+        except (ValueError, TypeError):  # unknown dimensions sized as they cannot be
+            if all(t.shape.is_fully_defined() for t in (*op.inputs, *op.outputs)):
+                raise
+            return _probe(op, grad_fn, wanted, folds, sized=False)
     except Exception as error:  # pylint: disable=broad-except  # any failure: assume the worst
         logger.debug("gradient of %s (%s) not probed, taken to read everything: %s",
                      op.name, op.type, error)
@@ -166,21 +171,27 @@ def _overridden(op):
     return loops.CUSTOM_GRADIENT_ATTR in op.node_def.attr
 
 
-def _probe(op, grad_fn, wanted, folds):
+def _probe(op, grad_fn, wanted, folds, sized):
     """Builds `grad_fn` for a copy of `op` on a scratch graph; returns the Reads of
-    the gradient ops that lead to the `wanted` inputs' gradients."""
+    the gradient ops that lead to the `wanted` inputs' gradients.
+
+    `sized`: stand-ins take unknown dimensions at the planner's size
+    (`op_kinds.sized_dims`), so the probe's shapes, sizes and forwarding
+    are those the planner assumes (an unknown batch); where such shapes do not
+    fit together (a reshape of an unknown dimension into two), the caller
+    probes with the dimensions left unknown."""
     # A tf.custom_gradient's gradient ignores the op and reads the forward
     # tensors its closure holds: built where it may capture them, it shows them.
     custom = _overridden(op)
     scratch = compat.capturing_graph(op.graph, "gradient_probe") if custom else tf.Graph()
     with scratch.as_default():
-        inputs = [_stand_in(t, f"input{i}", value)
+        inputs = [_stand_in(t, f"input{i}", sized, value)
                   for i, (t, value) in enumerate(zip(op.inputs, _axis_values(op)))]
         copy = compat.create_op_copy(scratch, op, inputs)
         for old, new in zip(op.outputs, copy.outputs):
             new.set_shape(old.shape)
         seeds = [None if t.dtype.base_dtype in op_kinds.OPAQUE_DTYPES
-                 else _stand_in(t, f"grad{i}") if read else _zeros(t)
+                 else _stand_in(t, f"grad{i}", sized) if read else _zeros(t)
                  for i, (t, read) in enumerate(zip(copy.outputs, _read_outputs(op)))]
         first_new = len(scratch.get_operations())
         results = grad_fn(copy, *seeds)
@@ -326,7 +337,7 @@ def _intermediate_peak(ops, results, writable=None):
     is taken over intermediates and results alike, less the results' bytes.
     Each buffer lives from its op to the last reader among `ops` of the
     tensors sharing it; shapes are static (the stand-ins have the op's
-    shapes); unknown dims count as 1. A reduction's kernel temporary
+    shapes; `op_kinds.tensor_bytes`). A reduction's kernel temporary
     (`op_kinds.reduction_temp_bytes`) counts while it runs. `writable`: a
     stand-in whose buffer the ops may write over after their last read of it
     (counted elsewhere: what is written there costs nothing here).
@@ -403,14 +414,16 @@ def _zeros(tensor):
     """A seed tf.gradients' zero tests recognise (a constant, or ZerosLike)."""
     if tensor.shape.is_fully_defined():
         return tf.zeros(tensor.shape, tensor.dtype)
-    return tf.zeros_like(_stand_in(tensor, "unread"))
+    return tf.zeros_like(_stand_in(tensor, "unread", sized=False))
 
 
-def _stand_in(tensor, name, value=None):
-    """A placeholder of `tensor`'s dtype and shape, or a constant of `value`."""
+def _stand_in(tensor, name, sized, value=None):
+    """A placeholder of `tensor`'s dtype and shape (`sized`: unknown dimensions
+    at the planner's size), or a constant of `value`."""
     if value is not None:
         return tf.constant(value, tensor.dtype.base_dtype, name=name)
-    return tf.compat.v1.placeholder(tensor.dtype.base_dtype, tensor.shape, name=name)
+    shape = op_kinds.sized_dims(tensor.shape) if sized else tensor.shape
+    return tf.compat.v1.placeholder(tensor.dtype.base_dtype, shape, name=name)
 
 
 def _axis_values(op):

@@ -422,7 +422,7 @@ def _list_variable(body, handle):
 
 def _bytes(tensor: tf.Tensor, traced: Optional[tf.Graph]) -> int:
     """Static bytes of `tensor`, from the traced body where it knows more
-    (unknown dimensions counted as 1)."""
+    (`op_kinds.tensor_bytes`)."""
     twin = None if tensor.shape.is_fully_defined() else _twin(tensor, traced)
     return op_kinds.tensor_bytes(tensor if twin is None else twin)
 

@@ -64,7 +64,8 @@ def forwardable_inputs(op: tf.Operation) -> list:
     an op of FORWARDING_OP_TYPES over any input, an output of
     `_FORWARDING_OUTPUTS` over the inputs listed; inputs of the output's
     dtype and static shape that the op reads once (an input read twice, as
-    in `x * x`, is held twice and never forwarded)."""
+    in `x * x`, is held twice and never forwarded). Unknown dimensions in the
+    same places are taken to be the same (the batch)."""
     if op.type in FORWARDING_OP_TYPES and len(op.outputs) == 1:
         pairs = ((0, range(len(op.inputs))),)
     else:
@@ -73,12 +74,12 @@ def forwardable_inputs(op: tf.Operation) -> list:
     found = []
     for index, candidates in pairs:
         out = op.outputs[index]
-        if not out.shape.is_fully_defined():
+        if out.shape.rank is None:
             continue
         fitting = [inputs[i] for i in candidates
                    if sum(inputs[i] is other for other in inputs) == 1
-                   and inputs[i].dtype == out.dtype and inputs[i].shape.is_fully_defined()
-                   and inputs[i].shape == out.shape]
+                   and inputs[i].dtype == out.dtype and inputs[i].shape.rank is not None
+                   and inputs[i].shape.as_list() == out.shape.as_list()]
         if fitting:
             found.append((out, fitting))
     return found
@@ -183,17 +184,34 @@ def reduction_temp_bytes(op: tf.Operation, value_of=static_values.const_value) -
     return tensor_bytes(op.inputs[0]) if runs > 3 else 0
 
 
+# What an unknown dimension counts as: most often the batch of a step traced
+# on a dataset batched without drop_remainder (what Keras's fit sees then).
+# Counted as 1, activations would weigh less beside weights and their
+# gradients than at any real batch size, and plans would follow the weights
+# (a BERT encoder's "memory" plan kept 0.64 of stock fit's activations so, 0.21
+# at 32); Keras's default batch size is a typical one.
+UNKNOWN_DIM_SIZE = 32
+
+
 def tensor_bytes(t: tf.Tensor) -> int:
-    """Bytes of `t` from its static shape; unknown dims count as 1."""
+    """Bytes of `t` from its static shape (see `tensor_elements`)."""
     return tensor_elements(t) * _item_bytes(t.dtype)
 
 
 def tensor_elements(t: tf.Tensor) -> int:
-    """Elements of `t` from its static shape; unknown dims count as 1."""
-    shape = t.shape
+    """Elements of `t` from its static shape (`sized_dims`); an unknown rank
+    counts as one element."""
+    dims = sized_dims(t.shape)
+    return 1 if dims is None else math.prod(dims)
+
+
+def sized_dims(shape: tf.TensorShape):
+    """`shape`'s dimensions, each unknown one as `UNKNOWN_DIM_SIZE`: the sizes
+    the planner assumes (what probes and measurements are made at); None for
+    an unknown rank."""
     if shape.rank is None:
-        return 1
-    return math.prod(d if d is not None else 1 for d in shape.as_list())
+        return None
+    return [d if d is not None else UNKNOWN_DIM_SIZE for d in shape.as_list()]
 
 
 @functools.lru_cache(maxsize=None)

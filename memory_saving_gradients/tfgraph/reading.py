@@ -258,6 +258,7 @@ def build_model(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor]) -> Reading:
     graph.add_edges_from(edges)
     model = GraphModel(
         graph=graph, tensors=tensors, pinned=frozenset(pinned),
+        unsized=_unsized(units, tensors), unknown_dim_size=op_kinds.UNKNOWN_DIM_SIZE,
         order=tuple(tensors),
         ys=tuple(y.name for y in ys if y.name in activations),
         op_outputs=op_outputs, other_bytes=other_bytes, num_region_ops=len(ops),
@@ -265,6 +266,13 @@ def build_model(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor]) -> Reading:
         deferred_weight_gradient_types=_deferred_weight_gradient_types(units, concurrent),
         **backprop)
     return Reading(model=model, region=region, op_inputs=op_inputs, ops=tuple(ops), gated=gated)
+
+
+def _unsized(units, tensors) -> dict:
+    """`GraphModel.unsized`: activation name -> shape text, for activations
+    whose static shape is not fully known."""
+    return {o.name: str(o.shape) for op in units for o in op.outputs
+            if o.name in tensors and not o.shape.is_fully_defined()}
 
 
 def _deferred_weight_gradient_types(units, concurrent) -> frozenset:

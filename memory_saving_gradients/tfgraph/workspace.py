@@ -112,11 +112,10 @@ def scratch_free_saves(op: tf.Operation) -> bool:
     ResNet50's 3x3 512 -> 512 convolutions). So the host decides first
     (`stock_kernels_take_scratch`, one probe): with oneDNN, never ours (the
     per-shape probes there read a few bytes). With TensorFlow's kernels, each
-    shape is measured once; with an unknown batch size, ours."""
+    shape is measured once (an unknown batch size at the size the planner
+    assumes, `op_kinds.sized_dims`)."""
     if not conv_gradients.is_eligible(op) or not stock_kernels_take_scratch():
         return False
-    if not all(t.shape.is_fully_defined() for t in list(op.inputs) + list(op.outputs)):
-        return True
     return conv_gradients.workspace_bytes(op) < gradient_workspace_bytes(op)
 
 
@@ -145,8 +144,8 @@ def _workspace(op, table, combine, built=None):
     # Under XLA (jit_compile) none of these kernels runs: XLA compiles the op
     # itself, without their scratch (a CNN's stock step: 13.7-16.2 MiB
     # measured against 38.8 predicted with the kernels' 30 MiB).
-    if op.type not in table or compat.in_xla_context(op.graph) or not all(
-            t.shape.is_fully_defined() for t in list(op.inputs) + list(op.outputs)):
+    if op.type not in table or compat.in_xla_context(op.graph) or any(
+            t.shape.rank is None for t in list(op.inputs) + list(op.outputs)):
         return 0
     attrs = tuple(sorted((name, op.get_attr(name)) for name in op.node_def.attr
                          if not name.startswith("_") and name != "T"))
@@ -158,12 +157,13 @@ def _workspace(op, table, combine, built=None):
 
 def _shapes(op):
     """Input, filter (if any), output shapes; for a transposed convolution
-    those of the Conv2D it transposes (its output, filter, `out_backprop`)."""
+    those of the Conv2D it transposes (its output, filter, `out_backprop`).
+    Unknown dimensions at the planner's size (`op_kinds.sized_dims`)."""
     if op.type == "Conv2DBackpropInput":
         tensors = conv_gradients.roles(op)
     else:
         tensors = list(op.inputs) + list(op.outputs)
-    return tuple(tuple(t.shape.as_list()) for t in tensors)
+    return tuple(tuple(op_kinds.sized_dims(t.shape)) for t in tensors)
 
 
 def _hashable(attrs):
