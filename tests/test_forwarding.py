@@ -124,11 +124,18 @@ def test_the_reading_records_forwardable_inputs_and_gradients():
         (s.name, (("value", t.name), ("grad", t.name))),)
 
 
-def test_unknown_shapes_are_not_forwarded():
+def test_unknown_dimensions_in_the_same_places_are_taken_to_match():
+    """(The batch, unknown when traced, is the same in both.) An unknown rank
+    never matches."""
     graph = tf.Graph()
     with graph.as_default():
         x = tf.compat.v1.placeholder(tf.float32, [None, 8])
-        assert op_kinds.forwardable_inputs(tf.nn.relu(x * 2.0).op) == []
+        scaled = x * 2.0
+        relu = tf.nn.relu(scaled).op
+        assert _names(op_kinds.forwardable_inputs(relu)) == [(relu.outputs[0].name,
+                                                              [scaled.name])]
+        anything = tf.compat.v1.placeholder(tf.float32, None)
+        assert op_kinds.forwardable_inputs(tf.nn.relu(anything * 2.0).op) == []
         fixed = tf.compat.v1.placeholder(tf.float32, [4, 8])
         bias = tf.compat.v1.placeholder(tf.float32, [8])
         added = tf.nn.bias_add(fixed, bias).op

@@ -17,9 +17,10 @@ from benchmarks.live_set_diff import activation_peak
 from benchmarks.live_set_diff import allocator_events
 from memory_saving_gradients.tfgraph import gradient_reads
 from memory_saving_gradients.tfgraph import op_kinds
+from memory_saving_gradients.tfgraph import sized_shapes
 from tests import harness
 
-BATCH, TOKENS, VOCAB = op_kinds.UNKNOWN_DIM_SIZE, 64, 2000
+BATCH, TOKENS, VOCAB = sized_shapes.UNKNOWN_DIM_SIZE, 64, 2000
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +130,7 @@ def test_memory_saved_with_an_unknown_batch_as_with_it_known(encoder):
         step = _step(model, batch, mode)[0]
         step(tokens, _labels())
         peaks[name] = activation_peak(allocator_events(step, tokens, _labels()))
-    assert peaks["unknown"] <= 1.3 * peaks["known"], peaks
+    assert peaks["unknown"] <= 1.15 * peaks["known"], peaks
     assert peaks["unknown"] < 0.5 * peaks["stock"], peaks
 
 

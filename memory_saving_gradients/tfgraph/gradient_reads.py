@@ -27,6 +27,7 @@ from memory_saving_gradients.tfgraph import gradient_waits
 from memory_saving_gradients.tfgraph import loops
 from memory_saving_gradients.tfgraph import op_kinds
 from memory_saving_gradients.tfgraph import product_order
+from memory_saving_gradients.tfgraph import sized_shapes
 from memory_saving_gradients.tfgraph import static_values
 
 logger = logging.getLogger(__name__)
@@ -109,7 +110,8 @@ def _key(op):
                          # Private attrs do not change the gradient, except the
                          # one naming a tf.custom_gradient's own gradient function.
                          if not name.startswith("_") or name == "_gradient_op_type"))
-    signature = tuple((t.dtype.name, _dims(t.shape)) for t in (*op.inputs, *op.outputs))
+    # Sizes as the probe's stand-ins take them: unknown ones as assumed in op's graph.
+    signature = tuple((t.dtype.name, _dims(t.shape), _sized(t)) for t in (*op.inputs, *op.outputs))
     values = tuple(None if v is None else v.tobytes() for v in _axis_values(op))
     return op.type, attrs, signature, values, _read_outputs(op)
 
@@ -117,6 +119,11 @@ def _key(op):
 def _dims(shape):
     """A shape as a key: its dimensions (None for unknown ones), None for an unknown rank."""
     return None if shape.rank is None else tuple(shape.as_list())
+
+
+def _sized(t):
+    dims = sized_shapes.sized_dims(t)
+    return None if dims is None else tuple(dims)
 
 
 def _read_outputs(op):
@@ -175,9 +182,9 @@ def _probe(op, grad_fn, wanted, folds, sized):
     """Builds `grad_fn` for a copy of `op` on a scratch graph; returns the Reads of
     the gradient ops that lead to the `wanted` inputs' gradients.
 
-    `sized`: stand-ins take unknown dimensions at the planner's size
-    (`op_kinds.sized_dims`), so the probe's shapes, sizes and forwarding
-    are those the planner assumes (an unknown batch); where such shapes do not
+    `sized`: stand-ins take unknown dimensions as the planner assumes them
+    (`sized_shapes`), so the probe's shapes, sizes and forwarding are those
+    the planner assumes (an unknown batch); where such shapes do not
     fit together (a reshape of an unknown dimension into two), the caller
     probes with the dimensions left unknown."""
     # A tf.custom_gradient's gradient ignores the op and reads the forward
@@ -191,8 +198,9 @@ def _probe(op, grad_fn, wanted, folds, sized):
         for old, new in zip(op.outputs, copy.outputs):
             new.set_shape(old.shape)
         seeds = [None if t.dtype.base_dtype in op_kinds.OPAQUE_DTYPES
-                 else _stand_in(t, f"grad{i}", sized) if read else _zeros(t)
-                 for i, (t, read) in enumerate(zip(copy.outputs, _read_outputs(op)))]
+                 else _stand_in(old, f"grad{i}", sized) if read else _zeros(t)
+                 for i, (t, old, read) in enumerate(zip(copy.outputs, op.outputs,
+                                                        _read_outputs(op)))]
         first_new = len(scratch.get_operations())
         results = grad_fn(copy, *seeds)
         results = results if isinstance(results, (list, tuple)) else [results]
@@ -419,10 +427,10 @@ def _zeros(tensor):
 
 def _stand_in(tensor, name, sized, value=None):
     """A placeholder of `tensor`'s dtype and shape (`sized`: unknown dimensions
-    at the planner's size), or a constant of `value`."""
+    as the planner assumes them), or a constant of `value`."""
     if value is not None:
         return tf.constant(value, tensor.dtype.base_dtype, name=name)
-    shape = op_kinds.sized_dims(tensor.shape) if sized else tensor.shape
+    shape = sized_shapes.sized_dims(tensor) if sized else tensor.shape
     return tf.compat.v1.placeholder(tensor.dtype.base_dtype, shape, name=name)
 
 

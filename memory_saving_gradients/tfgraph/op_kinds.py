@@ -14,6 +14,7 @@ import tensorflow as tf
 from memory_saving_gradients.tfgraph import compat
 from memory_saving_gradients.tfgraph import effects
 from memory_saving_gradients.tfgraph import loops
+from memory_saving_gradients.tfgraph import sized_shapes
 from memory_saving_gradients.tfgraph import static_values
 
 # Ops whose copies would not behave like the original (or could not be
@@ -184,34 +185,17 @@ def reduction_temp_bytes(op: tf.Operation, value_of=static_values.const_value) -
     return tensor_bytes(op.inputs[0]) if runs > 3 else 0
 
 
-# What an unknown dimension counts as: most often the batch of a step traced
-# on a dataset batched without drop_remainder (what Keras's fit sees then).
-# Counted as 1, activations would weigh less beside weights and their
-# gradients than at any real batch size, and plans would follow the weights
-# (a BERT encoder's "memory" plan kept 0.64 of stock fit's activations so, 0.21
-# at 32); Keras's default batch size is a typical one.
-UNKNOWN_DIM_SIZE = 32
-
-
 def tensor_bytes(t: tf.Tensor) -> int:
-    """Bytes of `t` from its static shape (see `tensor_elements`)."""
+    """Bytes of `t` from its static shape (`tensor_elements`)."""
     return tensor_elements(t) * _item_bytes(t.dtype)
 
 
 def tensor_elements(t: tf.Tensor) -> int:
-    """Elements of `t` from its static shape (`sized_dims`); an unknown rank
-    counts as one element."""
-    dims = sized_dims(t.shape)
+    """Elements of `t` from its static shape, unknown dimensions as the
+    planner assumes them (`sized_shapes`); an unknown rank counts as one
+    element."""
+    dims = sized_shapes.sized_dims(t)
     return 1 if dims is None else math.prod(dims)
-
-
-def sized_dims(shape: tf.TensorShape):
-    """`shape`'s dimensions, each unknown one as `UNKNOWN_DIM_SIZE`: the sizes
-    the planner assumes (what probes and measurements are made at); None for
-    an unknown rank."""
-    if shape.rank is None:
-        return None
-    return [d if d is not None else UNKNOWN_DIM_SIZE for d in shape.as_list()]
 
 
 @functools.lru_cache(maxsize=None)

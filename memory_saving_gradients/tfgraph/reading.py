@@ -28,6 +28,7 @@ from memory_saving_gradients.tfgraph import graph_walks
 from memory_saving_gradients.tfgraph import loop_memory
 from memory_saving_gradients.tfgraph import loops
 from memory_saving_gradients.tfgraph import op_kinds
+from memory_saving_gradients.tfgraph import sized_shapes
 from memory_saving_gradients.tfgraph import conv_gradients
 from memory_saving_gradients.tfgraph import grouped_conv_calls
 from memory_saving_gradients.tfgraph import transposed_copies
@@ -258,7 +259,7 @@ def build_model(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor]) -> Reading:
     graph.add_edges_from(edges)
     model = GraphModel(
         graph=graph, tensors=tensors, pinned=frozenset(pinned),
-        unsized=_unsized(units, tensors), unknown_dim_size=op_kinds.UNKNOWN_DIM_SIZE,
+        unsized=_unsized(units, tensors), unknown_dim_size=sized_shapes.UNKNOWN_DIM_SIZE,
         order=tuple(tensors),
         ys=tuple(y.name for y in ys if y.name in activations),
         op_outputs=op_outputs, other_bytes=other_bytes, num_region_ops=len(ops),
@@ -270,9 +271,11 @@ def build_model(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor]) -> Reading:
 
 def _unsized(units, tensors) -> dict:
     """`GraphModel.unsized`: activation name -> shape text, for activations
-    whose static shape is not fully known."""
+    whose static shape leaves a dimension unknown (not its rank: opaque
+    buffers, a fused batch norm's reserve space, count as one element)."""
     return {o.name: str(o.shape) for op in units for o in op.outputs
-            if o.name in tensors and not o.shape.is_fully_defined()}
+            if o.name in tensors and o.shape.rank is not None
+            and not o.shape.is_fully_defined()}
 
 
 def _deferred_weight_gradient_types(units, concurrent) -> frozenset:

@@ -31,6 +31,7 @@ from memory_saving_gradients.tfgraph import allocations
 from memory_saving_gradients.tfgraph import compat
 from memory_saving_gradients.tfgraph import conv_gradients
 from memory_saving_gradients.tfgraph import op_kinds
+from memory_saving_gradients.tfgraph import sized_shapes
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +114,7 @@ def scratch_free_saves(op: tf.Operation) -> bool:
     (`stock_kernels_take_scratch`, one probe): with oneDNN, never ours (the
     per-shape probes there read a few bytes). With TensorFlow's kernels, each
     shape is measured once (an unknown batch size at the size the planner
-    assumes, `op_kinds.sized_dims`)."""
+    assumes, `sized_shapes`)."""
     if not conv_gradients.is_eligible(op) or not stock_kernels_take_scratch():
         return False
     return conv_gradients.workspace_bytes(op) < gradient_workspace_bytes(op)
@@ -158,12 +159,12 @@ def _workspace(op, table, combine, built=None):
 def _shapes(op):
     """Input, filter (if any), output shapes; for a transposed convolution
     those of the Conv2D it transposes (its output, filter, `out_backprop`).
-    Unknown dimensions at the planner's size (`op_kinds.sized_dims`)."""
+    Unknown dimensions as the planner assumes them (`sized_shapes`)."""
     if op.type == "Conv2DBackpropInput":
         tensors = conv_gradients.roles(op)
     else:
         tensors = list(op.inputs) + list(op.outputs)
-    return tuple(tuple(op_kinds.sized_dims(t.shape)) for t in tensors)
+    return tuple(tuple(sized_shapes.sized_dims(t)) for t in tensors)
 
 
 def _hashable(attrs):

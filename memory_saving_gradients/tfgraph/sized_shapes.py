@@ -1,0 +1,159 @@
+"""The shapes the planner assumes where a graph leaves dimensions unknown.
+
+A step traced on a dataset batched without drop_remainder (what Keras's `fit`
+sees then) has an unknown batch dimension, and so does every activation.
+Counted as 1 each, activations would weigh less beside weights and their
+gradients than at any real batch size, and plans would follow the weights (a
+BERT-like encoder's 'memory' plan kept 0.69 of tf.gradients' activations so,
+0.30 with the batch known). So each unknown dimension of the step's inputs
+counts as `UNKNOWN_DIM_SIZE`, and the shapes that follow from them are
+TensorFlow's own: its shape functions run on a scratch copy of the graph's
+ops made from inputs of those sizes. A dense layer's input reshaped to
+batch x tokens rows (one unknown dimension in the graph) is 32 x tokens rows
+there, not 32.
+
+Ops whose copy TensorFlow cannot make or infer (function calls, control flow)
+give outputs of their own static shapes with each unknown dimension at
+`UNKNOWN_DIM_SIZE`, and so does every tensor for which the copy knows no more.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import tensorflow as tf
+
+from memory_saving_gradients.tfgraph import compat
+from memory_saving_gradients.tfgraph import graph_cache
+
+# What an unknown dimension of the step's inputs counts as: Keras's default
+# batch size, a typical one.
+UNKNOWN_DIM_SIZE = 32
+
+# Ops not copied: their copies would need the graph's functions, or read back
+# edges (v1 loops); their outputs take `_assumed` shapes.
+_NOT_COPIED = frozenset({
+    "While", "StatelessWhile", "If", "StatelessIf", "Case", "StatelessCase",
+    "PartitionedCall", "StatefulPartitionedCall", "SymbolicGradient",
+    "Enter", "RefEnter", "Exit", "RefExit", "Merge", "RefMerge", "Switch", "RefSwitch",
+    "NextIteration", "RefNextIteration", "LoopCond"})
+
+
+def sized_dims(t: tf.Tensor):
+    """`t`'s dimensions with each unknown one as the planner assumes it; None
+    for an unknown rank. Fully known shapes are returned as they are."""
+    shape = t.shape
+    if shape.rank is None:
+        return None
+    if shape.is_fully_defined():
+        return shape.as_list()
+    copy = _latest.get(t.graph)
+    if copy is None or not copy.knows(t):  # brought up to date only then: O(graph)
+        copy = _latest[t.graph] = graph_cache.per_graph(t.graph, SizedCopy)
+    return copy.dims(t)
+
+
+# graph -> its SizedCopy as last brought up to date, asked first.
+_latest: "weakref.WeakKeyDictionary[tf.Graph, SizedCopy]" = weakref.WeakKeyDictionary()
+
+
+def _assumed(shape: tf.TensorShape) -> list:
+    return [d if d is not None else UNKNOWN_DIM_SIZE for d in shape.as_list()]
+
+
+class SizedCopy:
+    """The ops of a graph whose outputs have unknown dimensions, copied on a
+    scratch graph from inputs of the sizes assumed (a `graph_cache` scan: ops
+    added later are copied when asked about). Made only for a graph with a
+    tensor of unknown dimensions whose size is asked.
+
+    Float tensors stand in as placeholders of their shapes, shared by shape:
+    only shapes matter to shape functions, and an op reading only those
+    gives its outputs' shapes once per kind of op, attributes and input
+    shapes (a thousand identical blocks: one copy). Constants and integer
+    tensors (a shape computed with `tf.shape`) are copied op by op, as
+    TensorFlow's shape functions read their values."""
+
+    def __init__(self, graph: tf.Graph):
+        self._scratch = tf.Graph()
+        self._copies = {}   # original tensor name -> what stands for it
+        self._shared = {}   # (dtype, dims) -> a placeholder of that shape
+        self._inferred = {}  # `_kind` -> the output dims a copy of that kind inferred
+        self.add_ops(graph.get_operations())
+
+    def add_ops(self, ops: list) -> None:
+        with self._scratch.as_default():
+            for op in ops:
+                if (any(not o.shape.is_fully_defined() for o in op.outputs)
+                        and op.outputs[0].name not in self._copies):
+                    self._copy(op)
+
+    def knows(self, t: tf.Tensor) -> bool:
+        return t.name in self._copies
+
+    def dims(self, t: tf.Tensor):
+        """`sized_dims` of `t`, a tensor of the graph."""
+        copy = self._copies.get(t.name)
+        return _assumed(copy.shape if copy is not None else t.shape)
+
+    def _copy(self, op: tf.Operation) -> None:
+        """Records what stands for `op`'s outputs."""
+        inputs = [self._input(t) for t in op.inputs]
+        kind = _kind(op, inputs)
+        if kind is not None and kind in self._inferred:
+            outputs = [self._placeholder(o.dtype, dims)
+                       for o, dims in zip(op.outputs, self._inferred[kind])]
+        else:
+            outputs = self._made(op, inputs)
+            if kind is not None:
+                self._inferred[kind] = [None if c.shape.rank is None else c.shape.as_list()
+                                        for c in outputs]
+        self._copies.update((o.name, c) for o, c in zip(op.outputs, outputs))
+
+    def _made(self, op: tf.Operation, inputs: list) -> list:
+        """The outputs of a copy of `op` reading `inputs`, their unknown
+        dimensions assumed; placeholders where `op` is not copied or
+        TensorFlow refuses the copy (sizes that do not fit together, as a
+        squeeze of an unknown dimension)."""
+        if op.type not in _NOT_COPIED and (op.inputs or op.type == "Const"):
+            try:
+                copy = compat.create_op_copy(self._scratch, op, inputs)
+                for old, new in zip(op.outputs, copy.outputs):
+                    new.set_shape(old.shape)
+                    if new.shape.rank is not None:
+                        new.set_shape(_assumed(new.shape))
+                return copy.outputs
+            except (ValueError, TypeError, tf.errors.OpError):
+                pass
+        return [self._placeholder(o.dtype, None if o.shape.rank is None else _assumed(o.shape))
+                for o in op.outputs]
+
+    def _input(self, t: tf.Tensor) -> tf.Tensor:
+        """What a copy reads for `t`."""
+        if t.name not in self._copies:
+            if not t.shape.is_fully_defined() or t.op.type == "Const" or t.dtype.is_integer:
+                self._copy(t.op)
+            else:
+                return self._placeholder(t.dtype, t.shape.as_list())
+        return self._copies[t.name]
+
+    def _placeholder(self, dtype, dims) -> tf.Tensor:
+        key = (dtype, None if dims is None else tuple(dims))
+        if key not in self._shared:
+            self._shared[key] = tf.compat.v1.placeholder(dtype, dims)
+        return self._shared[key]
+
+
+def _kind(op: tf.Operation, inputs: list):
+    """What decides the shapes of `op`'s outputs where it reads no integer
+    tensor nor constant (whose values may decide them) and makes no integer
+    tensor (whose value later shapes may read: `tf.shape`'s): its type,
+    attributes and inputs' shapes. None for other ops."""
+    if (not op.inputs or any(t.dtype.is_integer or t.op.type == "Const" for t in op.inputs)
+            or any(t.dtype.is_integer for t in op.outputs)):
+        return None
+    attrs = tuple(sorted((name, value.SerializeToString(deterministic=True))
+                         for name, value in op.node_def.attr.items()))
+    shapes = tuple((c.dtype, None if c.shape.rank is None else tuple(c.shape.as_list()))
+                   for c in inputs)
+    return op.type, attrs, shapes
