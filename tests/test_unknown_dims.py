@@ -91,11 +91,11 @@ def _conv_plan(batch):
 
 def test_the_model_of_an_unknown_batch_is_that_of_the_typical_batch():
     """Sizes, what gradients read, their scratch (kernels measured at that
-    size) and which buffers they write over: as read with the batch known to
-    be that size. (Not the moments' gradients kept small: `broadcast_sinking`
-    needs static shapes.)"""
+    size), which buffers they write over and the moments' gradients kept
+    small: as read with the batch known to be that size."""
     a, b = _conv_plan(BATCH).model, _conv_plan(None).model
     assert {n: t.bytes for n, t in a.tensors.items()} == {n: t.bytes for n, t in b.tensors.items()}
+    assert a.small_grads and a.small_grads == b.small_grads
     for field in ("grad_reads", "workspace", "stock_workspace", "forwarding",
                   "forwarded_grads", "passed_grads", "early_workspace", "workspace_forwards"):
         assert getattr(a, field) == getattr(b, field), field

@@ -20,10 +20,16 @@ the same elements as the op it replaces (only the AddN's order of addition
 changes: float rounding), its readers and waiters are moved to it, and the
 replaced ops are left unread (the executor never runs them).
 
-Only where static shapes prove it: the broadcast's and every operand's shape
-fully known, and each op's result shape the one it had. A broadcast read by
-anything else (a reduction, a loop, a returned gradient) is left as it is.
-Forward ops are never touched: only ops that call made.
+Where the shapes are static, only where they prove it: each op's result
+shape the one it had. Where a dimension is unknown when traced (the batch of
+a dataset batched without drop_remainder: TensorFlow then broadcasts with
+`BroadcastTo(g, tf.shape(x))`), each op made on the small tensor is
+broadcast back at run time to the shape the op it replaces had (the
+broadcast of the full shape and its own): the same elements, and where it
+is that shape already, as where the other operand is full-size, the kernel
+passes its input on (no copy). A broadcast read by anything
+else (a reduction, a loop, a returned gradient) is left as it is. Forward ops
+are never touched: only ops that call made.
 """
 
 from __future__ import annotations
@@ -60,9 +66,10 @@ def sink(new_ops: list, gradients: list) -> tuple:
     for op in new_ops:
         if op in run.unread:
             continue
-        small = _broadcast_source(op)
-        if small is not None and _sinkable(op.outputs[0], small.shape, run):
-            run.apply(op.outputs[0], small)
+        small, full_shape = _broadcast_source(op)
+        if small is not None and _sinkable(op.outputs[0], small.shape, run,
+                                           dynamic=full_shape is not None):
+            run.apply(op.outputs[0], small, full_shape)
     swapped = [run.latest(g) if isinstance(g, tf.Tensor) else g for g in gradients]
     return swapped, [placed for op in new_ops for placed in run.in_place_of(op)]
 
@@ -71,8 +78,9 @@ def keeps_small(op: tf.Operation, on_path: Callable[[tf.Operation], bool]) -> bo
     """True when the rewrite's gradient of `op` to its input stays `op`'s
     output's size (the planner's view of `sink`, before any gradient exists).
 
-    A Mean or Sum with static shapes, at least 8 times smaller than its input,
-    whose gradient (a Tile) is read by what `sink` handles: the sum of the
+    A Mean or Sum with static axes, at least 8 times smaller than its input
+    (unknown dimensions as the planner assumes them), whose gradient (a Tile, or a BroadcastTo where the input's shape
+    is not fully known) is read by what `sink` handles: the sum of the
     input's gradients (an input other ops on the way to the ys read too:
     `on_path`), or the gradient of the element-wise op that made the input (a
     batch norm's squared difference).
@@ -80,7 +88,7 @@ def keeps_small(op: tf.Operation, on_path: Callable[[tf.Operation], bool]) -> bo
     if op.type not in ("Mean", "Sum") or not op.inputs:
         return False
     source = op.inputs[0]
-    if (not source.shape.is_fully_defined() or not op.outputs[0].shape.is_fully_defined()
+    if (source.shape.rank is None or op.outputs[0].shape.rank is None
             or tf.get_static_value(op.inputs[1]) is None):
         return False
     if not op_kinds.much_larger(source, op.outputs[0]):
@@ -97,30 +105,34 @@ def keeps_small(op: tf.Operation, on_path: Callable[[tf.Operation], bool]) -> bo
 
 
 def _broadcast_source(op: tf.Operation):
-    """The small tensor `op` only broadcasts (a Tile along its unit dimensions,
-    or a BroadcastTo), when both shapes are static; else None."""
+    """(the small tensor `op` only broadcasts, the full shape as a tensor or
+    None where it is static): a Tile along its unit dimensions with static
+    shapes, or a BroadcastTo (with unknown dimensions too); else (None, None)."""
     if op.type not in ("Tile", "BroadcastTo") or len(op.outputs) != 1:
-        return None
+        return None, None
     small, full = op.inputs[0], op.outputs[0]
-    if not (small.shape.is_fully_defined() and full.shape.is_fully_defined()
-            and small.shape.rank == full.shape.rank):
-        return None
+    if small.shape.rank is None or small.shape.rank != full.shape.rank:
+        return None, None
+    static = full.shape.is_fully_defined() and small.shape.is_fully_defined()
     if op.type == "Tile":
         multiples = tf.get_static_value(op.inputs[1])
-        if multiples is None or any(m != 1 and d != 1 for m, d in
-                                    zip(multiples.tolist(), small.shape.as_list())):
-            return None  # repeats a dimension larger than one: not a broadcast
+        if not static or multiples is None or any(
+                m != 1 and d != 1 for m, d in zip(multiples.tolist(), small.shape.as_list())):
+            return None, None  # repeats a dimension larger than one: not a broadcast
     if not op_kinds.much_larger(full, small):
-        return None
-    return small
+        return None, None
+    return small, (None if static else op.inputs[1])
 
 
-def _sinkable(full: tf.Tensor, small_shape: tf.TensorShape, run: "_Sinking") -> bool:
+def _sinkable(full: tf.Tensor, small_shape: tf.TensorShape, run: "_Sinking",
+              dynamic: bool) -> bool:
     """True when every reader of `full` (the broadcast of a tensor of
     `small_shape`), and on down the chain of ops that stay small, can take it
     small: readers made by the same call (`run.made`), of the kinds above,
-    with static shapes, the result shape unchanged where it becomes full-size;
-    none returned."""
+    the result shape unchanged where it becomes full-size; none returned.
+    `dynamic`: the broadcast's shape is a tensor, which `apply` broadcasts
+    each result back to, so static shapes need only match where known;
+    else static shapes prove each step."""
     if full.ref() in run.returned:
         return False
     for reader in full.consumers():
@@ -131,35 +143,39 @@ def _sinkable(full: tf.Tensor, small_shape: tf.TensorShape, run: "_Sinking") -> 
                 return False  # no full-size term to add it to, or it twice
             continue
         if reader.type in _UNARY:
-            if not _sinkable(reader.outputs[0], small_shape, run):
+            if not _sinkable(reader.outputs[0], small_shape, run, dynamic):
                 return False
             continue
         if reader.type not in _BINARY:
             return False
         shape = _result_shape(reader, full, small_shape)
         result = reader.outputs[0].shape
-        if shape is None or not result.is_fully_defined():
+        if shape is None or result.rank is None:
             return False
         if shape.as_list() == result.as_list():
-            continue  # the other operand has the full shape: broadcasts itself
-        if (_broadcast(shape, result) != result.as_list()
-                or not _sinkable(reader.outputs[0], shape, run)):
+            if dynamic or result.is_fully_defined():
+                continue  # the other operand has the full shape: broadcasts itself
+            return False
+        if (not (dynamic or shape.is_fully_defined())
+                or _broadcast(shape, result) != result.as_list()
+                or not _sinkable(reader.outputs[0], shape, run, dynamic)):
             return False
     return True
 
 
 def _result_shape(reader: tf.Operation, full: tf.Tensor, small_shape: tf.TensorShape):
     """Static shape of binary `reader` with `full` read as a tensor of
-    `small_shape`, or None where an operand's shape is not fully known."""
+    `small_shape` (unknown dimensions where an operand's are), or None where
+    an operand's rank is unknown or the shapes cannot broadcast."""
     shapes = [small_shape if t is full else t.shape for t in reader.inputs]
-    if not all(s.is_fully_defined() for s in shapes):
+    if any(s.rank is None for s in shapes):
         return None
     dims = _broadcast(*shapes)
     return None if dims is None else tf.TensorShape(dims)
 
 
 def _broadcast(a, b):
-    """The broadcast of two fully known shapes as a list, or None."""
+    """The static broadcast of two shapes of known rank as a list, or None."""
     try:
         return tf.broadcast_static_shape(tf.TensorShape(a), tf.TensorShape(b)).as_list()
     except ValueError:
@@ -176,29 +192,51 @@ class _Sinking:
         self.unread = set()
         self.placed = {}          # op left unread -> the ops made to stand for it
 
-    def apply(self, full: tf.Tensor, small: tf.Tensor) -> None:
-        """Makes the readers of `full` (the broadcast of `small`) read `small`."""
+    def apply(self, full: tf.Tensor, small: tf.Tensor, full_shape) -> None:
+        """Makes the readers of `full` (the broadcast of `small`) read `small`.
+        `full_shape`: `full`'s shape as a tensor where it is not static, else None."""
         for reader in list(full.consumers()):
             if reader in self.unread:
                 continue
             with _beside(reader):
-                if reader.type == "AddN":
+                if reader.type == "AddN":  # its terms have one shape: the sum has it
                     rest = [t for t in reader.inputs if t is not full]
                     total = (rest[0] if len(rest) == 1
                              else self._made(reader, tf.raw_ops.AddN(inputs=rest)))
-                    new = tf.raw_ops.AddV2(x=total, y=small)
+                    new = self._made(reader, tf.raw_ops.AddV2(x=total, y=small))
                 elif reader.type in _UNARY:
-                    new = getattr(tf.raw_ops, reader.type)(x=small)
+                    new = self._made(reader, getattr(tf.raw_ops, reader.type)(x=small))
                 else:
                     x, y = (small if t is full else t for t in reader.inputs)
-                    new = getattr(tf.raw_ops, reader.type)(x=x, y=y)
-            self._made(reader, new)
-            if new.shape.as_list() == reader.outputs[0].shape.as_list():
+                    new = self._made(reader, getattr(tf.raw_ops, reader.type)(x=x, y=y))
+                full_now = new.shape.as_list() == reader.outputs[0].shape.as_list()
+                if full_now and full_shape is not None and reader.type in _BINARY:
+                    new = self._to_shape_of(reader, new, full_shape)
+                elif not full_now and full_shape is not None:  # the reader's result shape
+                    next_shape = self._shape_with(reader, full_shape, new)
+            if full_now:
                 self._replace(reader.outputs[0], new)
             else:  # still small: on to its readers
-                self.apply(reader.outputs[0], new)
+                self.apply(reader.outputs[0], new, None if full_shape is None else next_shape)
             self._leave(reader, new.op)
         self._leave(full.op, small.op)
+
+    def _to_shape_of(self, reader: tf.Operation, new: tf.Tensor, full_shape) -> tf.Tensor:
+        """`new` (`reader` made on the small tensor, and so recorded) broadcast
+        to the shape `reader`'s result had: that of its operands, the full one
+        given by `full_shape`. Static shapes cannot show the two the same where
+        dimensions are unknown; at run time they are, and BroadcastTo then
+        passes its input on (no copy)."""
+        broadcast = self._made(reader, tf.raw_ops.BroadcastTo(
+            input=new, shape=self._shape_with(reader, full_shape, new)))
+        broadcast.set_shape(reader.outputs[0].shape)
+        return broadcast
+
+    def _shape_with(self, reader: tf.Operation, full_shape, new: tf.Tensor) -> tf.Tensor:
+        """The shape `reader`'s result had, as a tensor: the broadcast of
+        `full_shape` and `new`'s (`reader` made on the small tensor)."""
+        return self._made(reader, tf.raw_ops.BroadcastArgs(
+            s0=full_shape, s1=self._made(reader, tf.shape(new, out_type=full_shape.dtype))))
 
     def latest(self, t: tf.Tensor) -> tf.Tensor:
         """What stands for `t` now: a replacement may itself be replaced (an
