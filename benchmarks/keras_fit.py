@@ -9,6 +9,11 @@ traces it.
 
     python -m benchmarks.keras_fit                    # both models: 10-40 min on 2 shared cores
     python -m benchmarks.keras_fit --models cnn --steps 4
+    python -m benchmarks.keras_fit --data dataset     # a tf.data pipeline: batch unknown
+
+`--data dataset` feeds `fit` a tf.data dataset batched without
+drop_remainder, as most input pipelines are: Keras then traces its step with
+the batch dimension unknown (arrays give it a static one).
 
 Writes benchmarks/results/keras_fit.json and prints a table.
 """
@@ -55,8 +60,9 @@ def build(name):
     return model, x, y
 
 
-def measure(model_name, checkpoints, steps):
-    """Runs in the child process: fit `steps` batches; returns one result row."""
+def measure(model_name, checkpoints, steps, data):
+    """Runs in the child process: fit `steps` batches of arrays or of a
+    dataset (`data`); returns one result row."""
     import memory_saving_gradients as msg
     msg.enable_cpu_allocator_stats()
     import numpy as np
@@ -73,8 +79,14 @@ def measure(model_name, checkpoints, steps):
     meter = keras_models.step_meter()
     callbacks = [meter] + ([msg_keras.Checkpointing(checkpoints)]
                            if checkpoints in ("memory", "speed") else [])
-    model.fit(np.concatenate([x] * steps), np.concatenate([y] * steps), batch_size=len(x),
-              epochs=1, verbose=0, shuffle=False, callbacks=callbacks)
+    xs, ys = np.concatenate([x] * steps), np.concatenate([y] * steps)
+    if data == "dataset":
+        import tensorflow as tf
+        model.fit(tf.data.Dataset.from_tensor_slices((xs, ys)).batch(len(x)), epochs=1,
+                  verbose=0, callbacks=callbacks)
+    else:
+        model.fit(xs, ys, batch_size=len(x), epochs=1, verbose=0, shuffle=False,
+                  callbacks=callbacks)
     peak, step_s = meter.summary()
     simulated = [float(m) / 100 for p in plans
                  for m in re.findall(r"tf\.gradients \((\d+)%\)", p)]
@@ -97,13 +109,13 @@ def _direct_train_step(model):
     return train_step
 
 
-def run_child(model_name, method, steps):
+def run_child(model_name, method, steps, data):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
          os.environ.get("PYTHONPATH", "")]))
     out = subprocess.run([sys.executable, "-m", "benchmarks.keras_fit", "--child", model_name,
-                          method, "--steps", str(steps)], env=env, capture_output=True,
-                         text=True, timeout=900, check=True).stdout
+                          method, "--steps", str(steps), "--data", data], env=env,
+                         capture_output=True, text=True, timeout=900, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -113,18 +125,21 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--methods", default=";".join(METHODS),
                         help="';'-separated; ratios are against the first")
+    parser.add_argument("--data", choices=("arrays", "dataset"), default="arrays",
+                        help="arrays: the batch static when traced; dataset: unknown")
     parser.add_argument("--out", default=RESULTS)
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps(measure(args.child[0], METHODS[args.child[1]], args.steps)))
+        print(json.dumps(measure(args.child[0], METHODS[args.child[1]], args.steps,
+                                 args.data)))
         return
     rows = []
     for model_name in args.models.split(","):
         stock = None
         for method in args.methods.split(";"):
-            row = {"model": model_name, "method": method,
-                   **run_child(model_name, method, args.steps)}
+            row = {"model": model_name, "method": method, "data": args.data,
+                   **run_child(model_name, method, args.steps, args.data)}
             stock = stock or row
             # Activation memory: the step's peak less the weights' gradients it outputs.
             row["activation_ratio"] = ((row["peak_mib"] - row["grad_mib"])
