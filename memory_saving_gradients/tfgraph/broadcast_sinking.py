@@ -27,9 +27,9 @@ a dataset batched without drop_remainder: TensorFlow then broadcasts with
 broadcast back at run time to the shape the op it replaces had (the
 broadcast of the full shape and its own): the same elements, and where it
 is that shape already, as where the other operand is full-size, the kernel
-passes its input on (no copy). A broadcast read by anything
-else (a reduction, a loop, a returned gradient) is left as it is. Forward ops
-are never touched: only ops that call made.
+passes its input on (no copy). A broadcast read by anything else (a
+reduction, a loop, a returned gradient) is left as it is. Forward ops are
+never touched: only ops that call made.
 """
 
 from __future__ import annotations
@@ -79,8 +79,9 @@ def keeps_small(op: tf.Operation, on_path: Callable[[tf.Operation], bool]) -> bo
     output's size (the planner's view of `sink`, before any gradient exists).
 
     A Mean or Sum with static axes, at least 8 times smaller than its input
-    (unknown dimensions as the planner assumes them), whose gradient (a Tile, or a BroadcastTo where the input's shape
-    is not fully known) is read by what `sink` handles: the sum of the
+    (unknown dimensions as the planner assumes them), whose gradient (a Tile,
+    or a BroadcastTo where a shape is not fully known) is read by what `sink`
+    handles: the sum of the
     input's gradients (an input other ops on the way to the ys read too:
     `on_path`), or the gradient of the element-wise op that made the input (a
     batch norm's squared difference).
