@@ -174,6 +174,28 @@ def test_gradients_of_an_unknown_batch_equal_stock(name, runtime, replaced):
     assert sum(replaced) >= 2, replaced
 
 
+def test_a_negated_broadcast_of_unknown_shape_is_broadcast_back():
+    """(A review's case.) Every dimension unknown: the gradients of `-zb` read
+    the broadcast of a keepdims=False sum, and `-small` looks as large as
+    `-full` to static shapes. It is broadcast back at run time; it was not,
+    and x's gradient came out 4 times too small (an AddN of small terms that
+    broadcast_to's gradient summed over the wrong axis)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, (None, None, None))
+        big = tf.compat.v1.placeholder(tf.float32, (None, None, None))
+        zb = tf.broadcast_to(tf.tanh(x), tf.shape(big))
+        y = (tf.reduce_sum(tf.sin(tf.reduce_sum(-zb, 1)))
+             + tf.reduce_sum(tf.cos(tf.reduce_sum(-zb, 1))))
+        stock = tf.gradients(y, x)
+        ours = [msg.gradients(y, x, checkpoints=mode) for mode in ("memory", "speed")]
+    feed = {x: _normal((3, 1, 5), seed=0, scale=1.0), big: np.zeros((3, 4, 5), np.float32)}
+    with tf.compat.v1.Session(graph=graph) as session:
+        expected, *found = session.run([stock] + ours, feed)
+    for grads in found:
+        np.testing.assert_allclose(grads[0], expected[0], rtol=1e-5, atol=1e-6)
+
+
 def test_an_operand_of_unknown_batch_one_at_run_time():
     """`full * other`, `full` the broadcast of a (1, 3) tensor to (n, 3) and
     `other` of static shape (None, 3): sunk, it is `small * other`, then

@@ -159,3 +159,32 @@ def test_gradients_of_an_unknown_batch_match_stock(runtime):
     outcome = harness.gradients_vs_stock(runtime, build, inputs,
                                          shapes={"x": (None, None, 6)})
     harness.assert_matches_stock(outcome)
+
+
+def test_a_v1_loop_of_unknown_batch_matches_stock():
+    """(A review's case.) A tf.compat.v1 while loop's back edge is a cycle in
+    the graph the sizes are read from: cut there, not followed forever."""
+    def build(ctx, x):
+        w = ctx.variable("w", np.float32(0.9))
+        _, h = tf.compat.v1.while_loop(lambda i, h: i < 3,
+                                       lambda i, h: (i + 1, tf.tanh(h * w)),
+                                       [tf.constant(0), x])
+        return harness.Model(ys=[tf.reduce_sum(tf.sin(h))], xs=[w, x])
+
+    inputs = {"x": np.random.RandomState(0).randn(5, 8).astype("float32")}
+    with harness.control_flow_v1():
+        outcome = harness.gradients_vs_stock("session", build, inputs, shapes={"x": (None, 8)})
+    harness.assert_matches_stock(outcome)
+
+
+def test_a_shape_computed_by_a_long_chain_is_sized():
+    """A reshape's row count computed by 3,000 integer adds: sized by
+    TensorFlow's shape function (32 rows of 8 -> 16 of 16), copied without
+    recursion (a review's case: Python's recursion limit at about 1,000)."""
+    with tf.Graph().as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, 8])
+        n = tf.constant(16)
+        for _ in range(3000):
+            n = n + 0
+        rows = tf.reshape(tf.tanh(x), [-1, n])
+    assert sized_shapes.sized_dims(rows) == [BATCH // 2, 16]

@@ -211,7 +211,7 @@ class _Sinking:
                     x, y = (small if t is full else t for t in reader.inputs)
                     new = self._made(reader, getattr(tf.raw_ops, reader.type)(x=x, y=y))
                 full_now = new.shape.as_list() == reader.outputs[0].shape.as_list()
-                if full_now and full_shape is not None and reader.type in _BINARY:
+                if full_now and full_shape is not None:  # unknown dimensions match anything
                     new = self._to_shape_of(reader, new, full_shape)
                 elif not full_now and full_shape is not None:  # the reader's result shape
                     next_shape = self._shape_with(reader, full_shape, new)
@@ -226,8 +226,10 @@ class _Sinking:
         """`new` (`reader` made on the small tensor, and so recorded) broadcast
         to the shape `reader`'s result had: that of its operands, the full one
         given by `full_shape`. Static shapes cannot show the two the same where
-        dimensions are unknown; at run time they are, and BroadcastTo then
-        passes its input on (no copy)."""
+        dimensions are unknown (a negated small tensor of shape (None, None)
+        looks full-size beside (None, None)); where they are the same at run
+        time (the other operand full-size, an AddN's sum), BroadcastTo passes
+        its input on (no copy)."""
         broadcast = self._made(reader, tf.raw_ops.BroadcastTo(
             input=new, shape=self._shape_with(reader, full_shape, new)))
         broadcast.set_shape(reader.outputs[0].shape)

@@ -84,9 +84,8 @@ class SizedCopy:
     def add_ops(self, ops: list) -> None:
         with self._scratch.as_default():
             for op in ops:
-                if (any(not o.shape.is_fully_defined() for o in op.outputs)
-                        and op.outputs[0].name not in self._copies):
-                    self._copy(op)
+                if any(not o.shape.is_fully_defined() for o in op.outputs):
+                    self._copy_with_inputs(op)
 
     def knows(self, t: tf.Tensor) -> bool:
         return t.name in self._copies
@@ -96,9 +95,27 @@ class SizedCopy:
         copy = self._copies.get(t.name)
         return _assumed(copy.shape if copy is not None else t.shape)
 
+    def _copy_with_inputs(self, op: tf.Operation) -> None:
+        """Copies `op` after the inputs it needs copied (`_copied_input`),
+        depth first without recursion (a chain of a thousand integer adds is
+        a thousand deep). A cycle (a tf.compat.v1 loop's back edge) is cut
+        where it closes: that input stands in as a placeholder."""
+        stack, entered = [(op, False)], set()
+        while stack:
+            current, inputs_done = stack.pop()
+            if self.knows(current.outputs[0]):
+                continue
+            if inputs_done or current.type in _NOT_COPIED:
+                self._copy(current)
+            elif current not in entered:
+                entered.add(current)
+                stack.append((current, True))
+                stack.extend((t.op, False) for t in current.inputs
+                             if _copied_input(t) and not self.knows(t))
+
     def _copy(self, op: tf.Operation) -> None:
         """Records what stands for `op`'s outputs."""
-        inputs = [self._input(t) for t in op.inputs]
+        inputs = [] if op.type in _NOT_COPIED else [self._input(t) for t in op.inputs]
         kind = _kind(op, inputs)
         if kind is not None and kind in self._inferred:
             outputs = [self._placeholder(o.dtype, dims)
@@ -129,19 +146,24 @@ class SizedCopy:
                 for o in op.outputs]
 
     def _input(self, t: tf.Tensor) -> tf.Tensor:
-        """What a copy reads for `t`."""
-        if t.name not in self._copies:
-            if not t.shape.is_fully_defined() or t.op.type == "Const" or t.dtype.is_integer:
-                self._copy(t.op)
-            else:
-                return self._placeholder(t.dtype, t.shape.as_list())
-        return self._copies[t.name]
+        """What a copy reads for `t`: its copy, else a placeholder of its shape
+        (unknown dimensions assumed)."""
+        if t.name in self._copies:
+            return self._copies[t.name]
+        return self._placeholder(t.dtype, None if t.shape.rank is None else _assumed(t.shape))
 
     def _placeholder(self, dtype, dims) -> tf.Tensor:
         key = (dtype, None if dims is None else tuple(dims))
         if key not in self._shared:
             self._shared[key] = tf.compat.v1.placeholder(dtype, dims)
         return self._shared[key]
+
+
+def _copied_input(t: tf.Tensor) -> bool:
+    """Whether a copy's input `t` is copied itself, not a placeholder of its
+    shape: unknown dimensions, or a value shape functions may read (a
+    constant, an integer tensor)."""
+    return not t.shape.is_fully_defined() or t.op.type == "Const" or t.dtype.is_integer
 
 
 def _kind(op: tf.Operation, inputs: list):
