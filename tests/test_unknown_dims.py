@@ -120,9 +120,11 @@ def test_a_budget_asks_for_a_static_batch(encoder):
 
 def test_memory_saved_with_an_unknown_batch_as_with_it_known(encoder):
     """Measured: 'memory' traced with the batch unknown keeps under half of
-    tf.gradients' activations (0.37; sized as 1 it kept 0.69) and at most 1.3x
-    what it keeps with the batch known (1.23: a dense layer's input reshaped to
-    batch x tokens rows, one unknown dimension, is counted as 32 rows too)."""
+    tf.gradients' activations (0.34; sized as 1 it kept 0.69) and at most 1.2x
+    what it keeps with the batch known (1.13; 2.3 sized as 1, 1.23 with a
+    dense layer's batch x tokens rows sized as 32 rows). What is left is
+    TensorFlow's graph: with the batch unknown, Keras's dropout makes its mask
+    from `tf.shape(x)` inside the step."""
     model, tokens = encoder
     peaks = {}
     for name, batch, mode in (("stock", None, None), ("known", BATCH, "memory"),
@@ -130,7 +132,7 @@ def test_memory_saved_with_an_unknown_batch_as_with_it_known(encoder):
         step = _step(model, batch, mode)[0]
         step(tokens, _labels())
         peaks[name] = activation_peak(allocator_events(step, tokens, _labels()))
-    assert peaks["unknown"] <= 1.15 * peaks["known"], peaks
+    assert peaks["unknown"] <= 1.2 * peaks["known"], peaks
     assert peaks["unknown"] < 0.5 * peaks["stock"], peaks
 
 
