@@ -70,9 +70,9 @@ class SizedCopy:
     Float tensors stand in as placeholders of their shapes, shared by shape:
     only shapes matter to shape functions, and an op reading only those
     gives its outputs' shapes once per kind of op, attributes and input
-    shapes (a thousand identical blocks: one copy). Constants and integer
-    tensors (a shape computed with `tf.shape`) are copied op by op, as
-    TensorFlow's shape functions read their values."""
+    shapes (a thousand identical blocks: one copy). Integer tensors (a shape
+    computed with `tf.shape`, constants) are copied op by op, as TensorFlow's
+    shape functions read their values."""
 
     def __init__(self, graph: tf.Graph):
         self._scratch = tf.Graph()
@@ -161,17 +161,18 @@ class SizedCopy:
 
 def _copied_input(t: tf.Tensor) -> bool:
     """Whether a copy's input `t` is copied itself, not a placeholder of its
-    shape: unknown dimensions, or a value shape functions may read (a
-    constant, an integer tensor)."""
-    return not t.shape.is_fully_defined() or t.op.type == "Const" or t.dtype.is_integer
+    shape: unknown dimensions, or an integer value shape functions may read
+    (a constant, a shape computed with `tf.shape`). A frozen graph's float
+    constants are not copied."""
+    return not t.shape.is_fully_defined() or t.dtype.is_integer
 
 
 def _kind(op: tf.Operation, inputs: list):
     """What decides the shapes of `op`'s outputs where it reads no integer
-    tensor nor constant (whose values may decide them) and makes no integer
-    tensor (whose value later shapes may read: `tf.shape`'s): its type,
-    attributes and inputs' shapes. None for other ops."""
-    if (not op.inputs or any(t.dtype.is_integer or t.op.type == "Const" for t in op.inputs)
+    tensor (whose values may decide them) and makes none (whose value later
+    shapes may read: `tf.shape`'s): its type, attributes and inputs' shapes.
+    None for other ops."""
+    if (not op.inputs or any(t.dtype.is_integer for t in op.inputs)
             or any(t.dtype.is_integer for t in op.outputs)):
         return None
     attrs = tuple(sorted((name, value.SerializeToString(deterministic=True))
