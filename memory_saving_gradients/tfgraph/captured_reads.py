@@ -21,14 +21,18 @@ and holds its result until backprop reaches it: `tf.nn.silu`'s gradient computes
 outside its control dependency on `dy`, which ran in the forward pass and
 held one tensor per kept swish input (measured on a chain of `tf.nn.silu`:
 18 MB for 14 predicted). `wait_for_seeds` makes such ops wait for the
-gradient reaching the level.
+gradient reaching the level. An op that reads only a shape (`tf.shape(x)`,
+which a mean's gradient reads when the batch is unknown) is left to run at
+once and its readers wait: made to wait, it kept x alive until the gradient
+came (MobileNetV2 under `fit` on a dataset, one inter-op thread: each batch
+norm's recomputed squared differences held through its level's recomputation).
 """
 
 from __future__ import annotations
 
 import tensorflow as tf
 
-from memory_saving_gradients.tfgraph import compat, early_gradients
+from memory_saving_gradients.tfgraph import compat, early_gradients, op_kinds
 from memory_saving_gradients.tfgraph.gradient_waits import gradient_tensors
 
 
@@ -51,17 +55,23 @@ def wait_for_seeds(new_ops: list, seeds: list) -> int:
     """Makes the ops of `new_ops` that would run before `seeds` exist and read
     a forward tensor (besides, perhaps, constants the call made) wait for
     `seeds`: the first such op on each path; the ops after it wait through it.
-    Ops of constants alone are left to constant folding. Returns how many ops
-    were given waits."""
+    An op reading only shapes (`op_kinds.SHAPE_ONLY_OP_TYPES`) stays free and
+    its readers wait. Ops of constants alone are left to constant folding.
+    Returns how many ops were given waits."""
     seed_ops = [t.op for g in seeds if g is not None for t in gradient_tensors(g)]
     free = early_gradients.seed_free(new_ops, seed_ops)
-    made, waiting, given = set(new_ops), set(), 0
+    made, waiting, shapes, given = set(new_ops), set(), set(), 0
     for op in new_ops:
         if op not in free:
             continue
         if any(t.op in waiting for t in op.inputs) or waiting.intersection(op.control_inputs):
             waiting.add(op)
-        elif any(t.op not in made for t in op.inputs):
+        elif any(t.op not in made or t.op in shapes for t in op.inputs):
+            if op.type in op_kinds.SHAPE_ONLY_OP_TYPES:
+                # Left free, so that it does not keep the tensor it measures alive
+                # until the seed: its readers wait instead.
+                shapes.add(op)
+                continue
             for seed in seed_ops:
                 compat.add_control_input(op, seed)
             waiting.add(op)

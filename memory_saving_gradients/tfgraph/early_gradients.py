@@ -21,7 +21,7 @@ import numpy as np
 from memory_saving_gradients.tfgraph import op_kinds
 
 # Ops that read only a tensor's shape or make constants: nothing held.
-_FREE_OP_TYPES = frozenset({"Const", "Shape", "ShapeN", "Size", "Rank", "Placeholder"})
+_FREE_OP_TYPES = op_kinds.SHAPE_ONLY_OP_TYPES | {"Const", "Placeholder"}
 
 
 def seed_free(ops: list, seed_ops) -> set:

@@ -23,6 +23,7 @@ import tensorflow as tf
 
 from memory_saving_gradients.tfgraph import compat
 from memory_saving_gradients.tfgraph import loops
+from memory_saving_gradients.tfgraph import op_kinds
 from memory_saving_gradients.tfgraph import purity
 
 # Linear in their first input alone (the others: shapes, axes, indices).
@@ -46,7 +47,7 @@ _PRODUCTS = frozenset({
 _QUOTIENTS = frozenset({"RealDiv", "Div", "DivNoNan"})
 _SELECTS = frozenset({"Select", "SelectV2"})
 # Their outputs depend on the shapes they read, not the values (`_value_free`).
-_SHAPES = frozenset({"Shape", "ShapeN", "Size", "Rank", "ZerosLike"})
+_SHAPES = op_kinds.SHAPE_ONLY_OP_TYPES | {"ZerosLike"}
 _NAN_TESTS = frozenset({"IsNan", "IsFinite", "IsInf"})
 # A gradient kernel (`ReluGrad`, `MaxPoolGradV2`, `FusedBatchNormGradV3`, ...) is
 # linear in its incoming-gradient argument, named so in its op definition.

@@ -35,10 +35,6 @@ logger = logging.getLogger(__name__)
 # `_key(op) + (wanted,)` -> Reads, for the process (a probe builds a scratch graph).
 _READS = {}
 
-# Consumers that need only a tensor's shape: they run as soon as the tensor
-# exists (during the forward pass), so they do not keep it alive for backprop.
-_SHAPE_ONLY_OP_TYPES = frozenset({"Shape", "ShapeN", "Size", "Rank"})
-
 
 @dataclasses.dataclass(frozen=True)
 class Reads:
@@ -111,7 +107,9 @@ def _key(op):
                          # one naming a tf.custom_gradient's own gradient function.
                          if not name.startswith("_") or name == "_gradient_op_type"))
     # Sizes as the probe's stand-ins take them: unknown ones as assumed in op's graph.
-    signature = tuple((t.dtype.name, _dims(t.shape), _sized(t)) for t in (*op.inputs, *op.outputs))
+    signature = tuple(
+        (t.dtype.name, _dims(t.shape), _dims(tf.TensorShape(sized_shapes.sized_dims(t))))
+        for t in (*op.inputs, *op.outputs))
     values = tuple(None if v is None else v.tobytes() for v in _axis_values(op))
     return op.type, attrs, signature, values, _read_outputs(op)
 
@@ -119,11 +117,6 @@ def _key(op):
 def _dims(shape):
     """A shape as a key: its dimensions (None for unknown ones), None for an unknown rank."""
     return None if shape.rank is None else tuple(shape.as_list())
-
-
-def _sized(t):
-    dims = sized_shapes.sized_dims(t)
-    return None if dims is None else tuple(dims)
 
 
 def _read_outputs(op):
@@ -216,7 +209,7 @@ def _probe(op, grad_fn, wanted, folds, sized):
         results = [r for r, keep in zip(results, wanted) if keep]
         new_ops = _leading_to(scratch.get_operations()[first_new:], results)
         read = {id(t) for new_op in new_ops
-                if new_op.type not in _SHAPE_ONLY_OP_TYPES for t in new_op.inputs}
+                if new_op.type not in op_kinds.SHAPE_ONLY_OP_TYPES for t in new_op.inputs}
         result_ids = {id(r) for r in results if r is not None}
         scratch_bytes = _intermediate_peak(new_ops, result_ids)
         pairs = compat.captured_pairs(scratch) if custom else ()

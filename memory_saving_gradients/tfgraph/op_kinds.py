@@ -38,6 +38,10 @@ DATA_SOURCE_OP_TYPES = frozenset({
 
 OPAQUE_DTYPES = frozenset({tf.resource, tf.variant, tf.string})  # a set: asked per tensor
 
+# Ops that read only their inputs' shapes: they run as soon as a tensor exists
+# and need not keep it alive for backprop.
+SHAPE_ONLY_OP_TYPES = frozenset({"Shape", "ShapeN", "Size", "Rank"})
+
 # Ops whose CPU kernels write their one output into an input's buffer when
 # that input has no other reader and the output's shape and dtype
 # (`forward_input_or_allocate_output`): element-wise ops, their gradients,
