@@ -61,13 +61,11 @@ class Budget:
         least-recompute search re-solves tighter when the replay overshoots.
         """
         if model.unsized:
-            name, shape = next(iter(model.unsized.items()))
             raise ValueError(
-                f"{self.__name__} cannot be checked on this graph: {len(model.unsized)} "
-                f"activations have dimensions unknown when traced (e.g. {name!r}: {shape}), "
-                f"so their bytes are not known. Trace the step with a static batch "
-                f"(dataset.batch(n, drop_remainder=True), or a tf.function input_signature "
-                f"with it), or use a mode ('memory', 'speed') or memory_within(slack)")
+                f"{self.__name__} cannot be checked on this graph: "
+                f"{strategies.unsized_activations(model)}, so their bytes are not known: "
+                f"{strategies.STATIC_BATCH}, or use a mode ('memory', 'speed') or "
+                f"memory_within(slack)")
 
         def peak(result):
             return strategies.allocator_peak(model, result)

@@ -21,6 +21,10 @@ from typing import Iterable, Mapping, Optional, Tuple
 
 import networkx as nx
 
+# What a dimension of the step's inputs unknown when traced counts as: Keras's
+# default batch size, a typical one.
+UNKNOWN_DIM_SIZE = 32
+
 
 @dataclasses.dataclass(frozen=True)
 class Activation:
@@ -196,8 +200,7 @@ class GraphModel:
       unsized: activation name -> its static shape, as text, for activations
         whose shape leaves a dimension unknown when traced (a batch of a
         dataset batched without drop_remainder); their `bytes` count each
-        unknown dimension as `unknown_dim_size`.
-      unknown_dim_size: what an unknown dimension counts as in `bytes`.
+        unknown dimension of the step's inputs as `UNKNOWN_DIM_SIZE`.
     """
     graph: nx.DiGraph
     tensors: Mapping[str, Activation]
@@ -234,7 +237,6 @@ class GraphModel:
     weights_first: frozenset[str] = frozenset()
     deferred_weight_gradient_types: frozenset[str] = frozenset()
     unsized: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    unknown_dim_size: int = 1
 
     def op_of(self, name: str) -> str:
         """The op producing activation `name`."""

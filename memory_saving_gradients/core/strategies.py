@@ -30,7 +30,7 @@ from memory_saving_gradients.core import op_table
 from memory_saving_gradients.core import planning
 from memory_saving_gradients.core import pricing
 from memory_saving_gradients.core import solvers
-from memory_saving_gradients.core.model import GraphModel
+from memory_saving_gradients.core.model import UNKNOWN_DIM_SIZE, GraphModel
 
 logger = logging.getLogger(__name__)
 
@@ -357,12 +357,22 @@ def select(model: GraphModel, mode: str, names=(), strategy=None) -> Result:
 
 def unsized_note(model: GraphModel) -> str:
     """Says which sizes a plan assumed, for a model with `unsized` activations."""
+    return (f"{unsized_activations(model)}; each unknown dimension of the step's inputs is "
+            f"counted as {UNKNOWN_DIM_SIZE} and the shapes that follow from it are "
+            f"TensorFlow's, so predicted bytes are for that size. For a plan sized to your "
+            f"batch, {STATIC_BATCH}")
+
+
+def unsized_activations(model: GraphModel) -> str:
+    """How many activations of `model` have a dimension unknown when traced, and one of them."""
     name, shape = next(iter(model.unsized.items()))
-    return (f"{len(model.unsized)} activations have dimensions unknown when traced (e.g. "
-            f"{name!r}: {shape}); each such dimension is counted as "
-            f"{model.unknown_dim_size}, so predicted bytes are for that size. For a plan "
-            f"sized to your batch, trace the step with a static batch (dataset.batch(n, "
-            f"drop_remainder=True), or a tf.function input_signature with it)")
+    return (f"{len(model.unsized)} activations have dimensions unknown when traced "
+            f"(e.g. {name!r}: {shape})")
+
+
+# How to give a step a static batch, for messages about `GraphModel.unsized`.
+STATIC_BATCH = ("trace the step with a static batch (dataset.batch(n, drop_remainder=True), "
+                "or a tf.function input_signature with it)")
 
 
 def run(model: GraphModel, checkpoints) -> Result:

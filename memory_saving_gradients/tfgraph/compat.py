@@ -296,12 +296,18 @@ def set_while_function_graph(loop: tf.Operation, part: str, func_graph) -> None:
 
 
 def create_op_copy(graph: tf.Graph, op: tf.Operation, inputs: list, attrs=None,
-                   dtypes=None) -> tf.Operation:
+                   dtypes=None, keep_shapes=False) -> tf.Operation:
     """A new op of `op`'s type reading `inputs`, not yet placed; with `op`'s
-    attributes and output dtypes unless `attrs` / `dtypes` are given."""
-    return graph._create_op_internal(  # pylint: disable=protected-access
+    attributes and output dtypes unless `attrs` / `dtypes` are given.
+    `keep_shapes`: its outputs also take the static shapes of `op`'s (which
+    may know more than the shape function does from `inputs`)."""
+    copy = graph._create_op_internal(  # pylint: disable=protected-access
         op.type, inputs, dtypes=dtypes or [o.dtype for o in op.outputs], name=op.name,
         attrs=attrs or dict(op.node_def.attr), op_def=op.op_def, compute_device=False)
+    if keep_shapes:
+        for old, new in zip(op.outputs, copy.outputs):
+            new.set_shape(old.shape)
+    return copy
 
 
 def new_op(op_type: str, inputs: list, **attrs) -> tf.Operation:

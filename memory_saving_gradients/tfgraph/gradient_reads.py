@@ -187,9 +187,7 @@ def _probe(op, grad_fn, wanted, folds, sized):
     with scratch.as_default():
         inputs = [_stand_in(t, f"input{i}", sized, value)
                   for i, (t, value) in enumerate(zip(op.inputs, _axis_values(op)))]
-        copy = compat.create_op_copy(scratch, op, inputs)
-        for old, new in zip(op.outputs, copy.outputs):
-            new.set_shape(old.shape)
+        copy = compat.create_op_copy(scratch, op, inputs, keep_shapes=True)
         seeds = [None if t.dtype.base_dtype in op_kinds.OPAQUE_DTYPES
                  else _stand_in(old, f"grad{i}", sized) if read else _zeros(t)
                  for i, (t, old, read) in enumerate(zip(copy.outputs, op.outputs,

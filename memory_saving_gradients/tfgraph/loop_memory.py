@@ -385,10 +385,9 @@ def _probe(loop):
         for old, new in zip(loop.inputs, inputs):
             if old.dtype in (tf.resource, tf.variant):
                 compat.copy_handle_data(old, new)
-        copy = compat.create_op_copy(scratch, loop, inputs)
+        copy = compat.create_op_copy(scratch, loop, inputs, keep_shapes=True)
         compat.set_gradient_override(copy, None)
         for old, new in zip(loop.outputs, copy.outputs):
-            new.set_shape(old.shape)
             if old.dtype in (tf.resource, tf.variant):
                 compat.copy_handle_data(old, new)
         for part in ("cond", "body"):

@@ -73,11 +73,9 @@ class SideInputs:
                       for i in op.inputs]
             waits = [] if any(new is not old for new, old in zip(inputs, op.inputs)) else [gate.op]
             with tensor.graph.control_dependencies(waits):
-                new = compat.create_op_copy(tensor.graph, op, inputs)
+                new = compat.create_op_copy(tensor.graph, op, inputs, keep_shapes=True)
             compat.set_device(new, op.device)
-            for old, out in zip(op.outputs, new.outputs):
-                out.set_shape(old.shape)
-                made[old.name] = out
+            made.update((old.name, out) for old, out in zip(op.outputs, new.outputs))
         return made[tensor.name]
 
     def _read_as_is(self, tensor: tf.Tensor, size: int) -> bool:

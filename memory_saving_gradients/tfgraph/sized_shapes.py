@@ -23,12 +23,9 @@ import weakref
 
 import tensorflow as tf
 
+from memory_saving_gradients.core.model import UNKNOWN_DIM_SIZE
 from memory_saving_gradients.tfgraph import compat
 from memory_saving_gradients.tfgraph import graph_cache
-
-# What an unknown dimension of the step's inputs counts as: Keras's default
-# batch size, a typical one.
-UNKNOWN_DIM_SIZE = 32
 
 # Ops not copied: their copies would need the graph's functions, or read back
 # edges (v1 loops); their outputs take `_assumed` shapes.
@@ -134,9 +131,8 @@ class SizedCopy:
         squeeze of an unknown dimension)."""
         if op.type not in _NOT_COPIED and (op.inputs or op.type == "Const"):
             try:
-                copy = compat.create_op_copy(self._scratch, op, inputs)
-                for old, new in zip(op.outputs, copy.outputs):
-                    new.set_shape(old.shape)
+                copy = compat.create_op_copy(self._scratch, op, inputs, keep_shapes=True)
+                for new in copy.outputs:
                     if new.shape.rank is not None:
                         new.set_shape(_assumed(new.shape))
                 return copy.outputs
@@ -176,7 +172,8 @@ def _kind(op: tf.Operation, inputs: list):
             or any(t.dtype.is_integer for t in op.outputs)):
         return None
     attrs = tuple(sorted((name, value.SerializeToString(deterministic=True))
-                         for name, value in op.node_def.attr.items()))
+                         for name, value in op.node_def.attr.items()
+                         if not name.startswith("_")))  # colocation, XLA marks: no shapes
     shapes = tuple((c.dtype, None if c.shape.rank is None else tuple(c.shape.as_list()))
                    for c in inputs)
     return op.type, attrs, shapes
