@@ -278,6 +278,44 @@ def test_filter_gradient_slices_parts_of_a_large_batch(kind, monkeypatch):
     assert whole_peak - parts_peak > 0.5 * tap, (whole_peak / MIB, parts_peak / MIB)
 
 
+@pytest.mark.parametrize("kind", ["spatial", "transposed"])
+def test_filter_gradient_parts_of_an_unknown_batch_cover_it(kind, monkeypatch):
+    """Traced with the batch unknown, the parts are sized at run time: as many
+    as the planned batch (32) needs, each a ceil(batch / parts) slice, so any
+    batch is covered (1, fewer images than parts, or more than 32)."""
+    tap = 4 * MIB if kind == "spatial" else MIB  # two slices over a batch of 32
+    monkeypatch.setattr(conv_gradients, "TAP_SLICE_BYTES", tap // 4)
+    w = tf.Variable(tf.random.stateless_normal([3, 3, 16, 16], [2, 0], stddev=0.1))
+
+    def forward(image):
+        if kind == "transposed":  # its image is the 16x16 input's gradient's grid
+            sizes = tf.stack([tf.shape(image)[0], 32, 32, 16])
+            return tf.nn.conv2d_transpose(image[:, ::2, ::2], w, sizes, 2)
+        return tf.nn.conv2d(image, w, 1, "SAME")
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 32, 32, 16], tf.float32)] * 2)
+    def ours(image, grad_y):
+        y = forward(image)
+        with conv_gradients.scratch_free_gradients([y.op]):
+            return tf.gradients(y, [w], grad_ys=grad_y)[0]
+
+    stock = tf.function(lambda image, grad_y: tf.gradients(forward(image), [w], grad_y)[0])
+    for batch in (1, 3, 8, 37):
+        image = tf.random.stateless_normal([batch, 32, 32, 16], [1, batch])
+        grad_y = tf.random.stateless_normal([batch, 32, 32, 16], [3, batch])
+        np.testing.assert_allclose(ours(image, grad_y).numpy(), stock(image, grad_y).numpy(),
+                                   rtol=1e-4, atol=1e-3)
+    graph = ours.get_concrete_function().graph
+    slices = [op for op in graph.get_operations() if op.type == "StridedSlice"
+              and op.outputs[0].shape.rank == 4 and op.inputs[1].op.type != "Const"]
+    assert len(slices) == 2 * 9 * 4, len(slices)  # two slices, 9 taps, 4 parts
+    priced = []
+    for batch in (None, 32):  # priced as the planned batch's
+        tf.function(lambda image: priced.append(conv_gradients.workspace_bytes(
+            forward(image).op))).get_concrete_function(tf.TensorSpec([batch, 32, 32, 16]))
+    assert priced[0] == priced[1], priced
+
+
 def test_the_model_knows_a_transposed_convolutions_own_scratch():
     """Measured as it runs: the CPU kernel takes ~16 MiB beside a 0.5 MiB output,
     and its stock gradient as much; ours is priced far lower."""

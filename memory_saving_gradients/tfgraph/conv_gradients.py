@@ -12,7 +12,9 @@ stride and kernel size (SAME or VALID, unit dilations): the filter's
 gradient at tap (a, b) is the image pixels that tap reads (a strided slice)
 times the output gradient, one `MatMul` per tap, run one after the other so
 one slice is alive at a time (over parts of the batch where a tap's slices
-of the whole batch would pass TAP_SLICE_BYTES). The input gradient is the
+of the whole batch would pass TAP_SLICE_BYTES; a batch unknown when traced
+is split into as many parts as 32 images need, each sized at run time). The
+input gradient is the
 output gradient spread onto the image's grid (stride - 1 zeros between pixels), correlated
 with the filter flipped in space: a forward `Conv2D` (its kernel takes little
 scratch: measured under 1 MiB where `Conv2DBackpropInput` took 32 MiB); for a
@@ -44,6 +46,7 @@ import tensorflow as tf
 from memory_saving_gradients.tfgraph import compat
 from memory_saving_gradients.tfgraph import gradient_linearity
 from memory_saving_gradients.tfgraph import op_kinds
+from memory_saving_gradients.tfgraph import sized_shapes
 
 SCRATCH_FREE_GRADIENT = "MemorySavingGradientsScratchFreeConv"
 # Most bytes one filter tap's slices take at once: past it the filter gradient
@@ -115,12 +118,11 @@ def _filter_gradient_scratch(op, w, out, per_channel_in):
     products, a filter's bytes in all, alive until they are stacked into the
     filter gradient, and the last tap's, one per part, until summed."""
     kh, kw = w.shape.as_list()[:2]
-    slices = _batch_slices(op)
-    largest = slices[0]  # the first part is the largest
+    parts = _batch_parts(op)
+    batch = _planned_batch(op)
     taps = per_channel_in + op_kinds.tensor_bytes(out)  # _tap_slice_bytes: whole batch
-    if largest.stop is not None:
-        taps = taps // out.shape[0] * (largest.stop - largest.start)
-    return taps, op_kinds.tensor_bytes(w) * (kh * kw + len(slices) - 1) // (kh * kw)
+    taps = taps // batch * _part_size(batch, parts)
+    return taps, op_kinds.tensor_bytes(w) * (kh * kw + parts - 1) // (kh * kw)
 
 
 def _tap_slice_bytes(op: tf.Operation) -> int:
@@ -131,26 +133,39 @@ def _tap_slice_bytes(op: tf.Operation) -> int:
     return out_bytes // out.shape[-1] * op.inputs[1].shape[2] + out_bytes
 
 
-def _images_per_part(op: tf.Operation):
-    """Images per part of the batch the filter gradient's slices are taken over,
-    so that one tap's two slices stay within TAP_SLICE_BYTES; None for the
-    whole batch at once (it fits, the batch size is unknown, or the convolution
-    is pointwise: its slices are the tensors themselves)."""
-    batch = roles(op)[2].shape[0]
-    if batch is None or is_pointwise(op):
-        return None
+def _planned_batch(op: tf.Operation) -> int:
+    """The batch size of `op`'s output as planned: an unknown one as
+    `sized_shapes` assumes it."""
+    return sized_shapes.sized_dims(roles(op)[2])[0]
+
+
+def _batch_parts(op: tf.Operation) -> int:
+    """How many parts of the batch the filter gradient takes its tap slices
+    over, so that one tap's two slices of a part stay within TAP_SLICE_BYTES
+    at the planned batch; 1 (the whole batch at once) if they fit, or for a
+    pointwise convolution (its slices are the tensors themselves)."""
     whole_batch = _tap_slice_bytes(op)
-    if whole_batch <= TAP_SLICE_BYTES:
-        return None
-    return max(TAP_SLICE_BYTES // (whole_batch // batch), 1)
+    if is_pointwise(op) or whole_batch <= TAP_SLICE_BYTES:
+        return 1
+    batch = _planned_batch(op)
+    images = max(TAP_SLICE_BYTES // (whole_batch // batch), 1)
+    return -(-batch // images)
 
 
-def _batch_slices(op: tf.Operation) -> list:
-    """The parts of the batch (slices) `op`'s filter gradient takes its slices over."""
-    images = _images_per_part(op)
-    if images is None:
+def _part_size(batch, parts: int):
+    """Images in each of `parts` parts covering `batch` (an int or a scalar
+    tensor): the last may be smaller, or empty."""
+    return (batch + parts - 1) // parts
+
+
+def _batch_slices(image: tf.Tensor, parts: int) -> list:
+    """`parts` slices of the batch of `image` that cover it, whatever its size
+    at run time where it is unknown when traced."""
+    if parts == 1:
         return [slice(None)]
-    return [slice(start, start + images) for start in range(0, roles(op)[2].shape[0], images)]
+    batch = image.shape[0] if image.shape[0] is not None else tf.shape(image)[0]
+    size = _part_size(batch, parts)
+    return [slice(part * size, (part + 1) * size) for part in range(parts)]
 
 
 @contextlib.contextmanager
@@ -308,7 +323,7 @@ def _scratch_free_gradient(op, grad):
         return (None,) + _transposed_gradients(op, w, op.inputs[2], grad)[::-1]
     return (_half("input", grad, lambda: _input_gradient(axes, w, grad)),
             _half("filter", grad, lambda: _filter_gradient(
-                axes, w, op.inputs[0], grad, _batch_slices(op))))
+                axes, w, op.inputs[0], grad, _batch_parts(op))))
 
 
 def _transposed_gradients(op, w, out_backprop, grad):
@@ -318,7 +333,7 @@ def _transposed_gradients(op, w, out_backprop, grad):
     padding = op.get_attr("padding").decode()
     return (_half("transposed", grad, lambda: tf.nn.conv2d(grad, w, _strides(op), padding)),
             _half("filter", grad, lambda: _filter_gradient(
-                _axes(op), w, grad, out_backprop, _batch_slices(op))))
+                _axes(op), w, grad, out_backprop, _batch_parts(op))))
 
 
 def _input_gradient(axes, w, grad):
@@ -360,10 +375,11 @@ def _spread(grad, axes):
     return spread[:, :reach[0], :reach[1], :]
 
 
-def _filter_gradient(axes, w, image, grad, batches=(slice(None),)):
+def _filter_gradient(axes, w, image, grad, batch_parts=1):
     """dW[a, b] = (image pixels tap (a, b) reads)^T grad, one tap at a time, and
-    one part of the batch (`batches`, slices of it) at a time, summed."""
+    one of `batch_parts` parts of the batch at a time, summed."""
     kh, kw, channels_in, channels_out = w.shape.as_list()
+    batches = _batch_slices(image, batch_parts)
     parts, last = [], []
     for image_rows, grad_rows in map(axes[0].tap, range(kh)):
         for image_cols, grad_cols in map(axes[1].tap, range(kw)):
