@@ -66,7 +66,8 @@ def wait_for_seeds(new_ops: list, seeds: list) -> int:
             continue
         if any(t.op in waiting for t in op.inputs) or waiting.intersection(op.control_inputs):
             waiting.add(op)
-        elif any(t.op not in made or t.op in shapes for t in op.inputs):
+        elif (any(t.op not in made or t.op in shapes for t in op.inputs)
+              or shapes.intersection(op.control_inputs)):
             if op.type in op_kinds.SHAPE_ONLY_OP_TYPES:
                 # Left free, so that it does not keep the tensor it measures alive
                 # until the seed: its readers wait instead.
