@@ -177,9 +177,14 @@ class MemoryWithin:
         return f"memory_within({self.slack:g})"
 
     def __call__(self, model) -> strategies.Result:
-        """The plan. Searched under `SLACK_STEPS` ceilings, `slack` and halves of
-        it: one search stops after a few overshoots of the timeline over the
-        cut model, and can miss a plan that a lower ceiling finds."""
+        """The plan (chosen as 'memory' is for a step of unknown batch,
+        `strategies.for_any_batch`)."""
+        return strategies.for_any_batch(model, self._within)
+
+    def _within(self, model) -> strategies.Result:
+        """Searched under `SLACK_STEPS` ceilings, `slack` and halves of it: one
+        search stops after a few overshoots of the timeline over the cut model,
+        and can miss a plan that a lower ceiling finds."""
         problem = strategies.cut_problem(model)
         least = strategies.memory(model, problem)
         if least.plan.stock:  # nothing recomputes less

@@ -24,6 +24,9 @@ import networkx as nx
 # What a dimension of the step's inputs unknown when traced counts as: Keras's
 # default batch size, a typical one.
 UNKNOWN_DIM_SIZE = 32
+# Plans for such a step are chosen as for a batch this many times larger
+# (`GraphModel.scaled`, `strategies.for_any_batch`).
+UNKNOWN_DIM_CHOICE_SCALE = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,6 +240,14 @@ class GraphModel:
     weights_first: frozenset[str] = frozenset()
     deferred_weight_gradient_types: frozenset[str] = frozenset()
     unsized: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    def scaled(self, factor: int) -> "GraphModel":
+        """This model with its `unsized` activations `factor` times their bytes:
+        as at a batch `factor` times the assumed one (their gradients follow;
+        kernel scratch and the weights do not)."""
+        tensors = {n: dataclasses.replace(a, bytes=a.bytes * factor) if n in self.unsized else a
+                   for n, a in self.tensors.items()}
+        return dataclasses.replace(self, tensors=tensors)
 
     def op_of(self, name: str) -> str:
         """The op producing activation `name`."""
