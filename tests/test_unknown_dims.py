@@ -235,7 +235,8 @@ def test_a_recomputed_tensor_read_for_its_shape_is_freed_when_read():
 
 def _dense_chain_peaks(batch):
     """(tf.gradients, 'memory') activation peaks of 12 dense layers of 512 units (1 MiB
-    weights each, hard swish), traced with the batch `batch`, run at 512 rows (1 MiB activations)."""
+    weights each, hard swish), traced with the batch `batch`, run at 512 rows (1 MiB
+    activations)."""
     weights = [tf.Variable(tf.random.stateless_normal([512, 512], [i, 0], stddev=0.05))
                for i in range(12)]
 
