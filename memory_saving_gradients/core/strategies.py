@@ -357,16 +357,16 @@ def select(model: GraphModel, mode: str, names=(), strategy=None) -> Result:
 
 
 def for_any_batch(model: GraphModel, strategy) -> Result:
-    """`strategy(model)`, for a model whose activations' sizes leave a
-    dimension unknown (`unsized`) chosen as for a batch
-    `UNKNOWN_DIM_CHOICE_SCALE` times the assumed one and priced at the assumed one.
+    """`strategy(model)`; for a model whose activations' sizes leave a
+    dimension unknown (`unsized`), chosen as for a batch
+    `UNKNOWN_DIM_CHOICE_SCALE` times the assumed one, priced at the assumed one.
 
     At the assumed 32 a model's weights and their gradients can outweigh its
     activations, and then every plan peaks alike and the least recompute,
     tf.gradients itself, is chosen: 12 dense layers of 512 units (hard swish)
     under 'memory' held stock's 49 MiB at a run-time batch of 512, and 16 MiB
-    with that batch known (17 chosen so). Where activations are small, a plan chosen for a large
-    batch costs recompute only.
+    with that batch known (17 chosen so). Where activations are small, a plan
+    chosen for a large batch costs recompute only.
     """
     if not model.unsized:
         return strategy(model)
