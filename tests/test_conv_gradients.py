@@ -316,6 +316,19 @@ def test_filter_gradient_parts_of_an_unknown_batch_cover_it(kind, monkeypatch):
     assert priced[0] == priced[1], priced
 
 
+def test_an_empty_batch_is_planned_and_differentiated():
+    """(A review's case.) A batch of 0: priced without dividing by it, and the
+    gradient is zeros as stock's."""
+    w = tf.Variable(tf.random.stateless_normal([3, 3, 8, 8], [2, 0]))
+
+    @tf.function(input_signature=[tf.TensorSpec([0, 16, 16, 8])])
+    def step(x):
+        y = tf.reduce_sum(tf.nn.conv2d(tf.tanh(tf.nn.conv2d(x, w, 1, "SAME")), w, 1, "SAME"))
+        return msg.gradients(y, [w], checkpoints="memory")[0]
+
+    np.testing.assert_array_equal(step(tf.zeros([0, 16, 16, 8])).numpy(), np.zeros([3, 3, 8, 8]))
+
+
 def test_the_model_knows_a_transposed_convolutions_own_scratch():
     """Measured as it runs: the CPU kernel takes ~16 MiB beside a 0.5 MiB output,
     and its stock gradient as much; ours is priced far lower."""

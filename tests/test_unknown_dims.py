@@ -106,8 +106,12 @@ def test_the_model_of_an_unknown_batch_is_that_of_the_typical_batch():
 def test_the_plan_says_what_it_assumed(encoder, caplog):
     model, _ = encoder
     assert not any("unknown when traced" in n for n in _step(model, BATCH)[1].notes)
-    (note,) = [n for n in _step(model, None)[1].notes if "unknown when traced" in n]
+    notes = _step(model, None)[1].notes
+    (note,) = [n for n in notes if "unknown when traced" in n]
     assert f"counted as {BATCH}" in note and "drop_remainder=True" in note
+    # The plan was chosen at 16 times the batch: the sizes in the notes are said to be so.
+    assert notes[0].startswith(f"chosen with the activations of unknown size weighing 16x "
+                               f"(a batch of {16 * BATCH})")
 
 
 def test_a_budget_asks_for_a_static_batch(encoder):

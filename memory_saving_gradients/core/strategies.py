@@ -375,8 +375,12 @@ def for_any_batch(model: GraphModel, strategy) -> Result:
         plan, estimate = large.plan, pricing.predict(model, large.plan)
     else:
         plan, estimate = _priced(model, frozenset(large.chosen), large.plan.loops)
-    plan = dataclasses.replace(plan, strategy=large.strategy, notes=large.notes)
-    return dataclasses.replace(large, plan=plan, estimate=estimate)
+    notes = (f"chosen with the activations of unknown size weighing "
+             f"{UNKNOWN_DIM_CHOICE_SCALE}x (a batch of "
+             f"{UNKNOWN_DIM_CHOICE_SCALE * UNKNOWN_DIM_SIZE}), as are the sizes in the notes "
+             f"that follow; the prediction is at {UNKNOWN_DIM_SIZE}",) + large.notes
+    plan = dataclasses.replace(plan, strategy=large.strategy, notes=notes)
+    return dataclasses.replace(large, plan=plan, estimate=estimate, notes=notes)
 
 
 def unsized_note(model: GraphModel) -> str:

@@ -119,9 +119,10 @@ def _filter_gradient_scratch(op, w, out, per_channel_in):
     filter gradient, and the last tap's, one per part, until summed."""
     kh, kw = w.shape.as_list()[:2]
     parts = _batch_parts(op)
-    batch = _planned_batch(op)
     taps = per_channel_in + op_kinds.tensor_bytes(out)  # _tap_slice_bytes: whole batch
-    taps = taps // batch * _part_size(batch, parts)
+    if parts > 1:  # (an empty batch is never split)
+        batch = _planned_batch(op)
+        taps = taps // batch * _part_size(batch, parts)
     return taps, op_kinds.tensor_bytes(w) * (kh * kw + parts - 1) // (kh * kw)
 
 
