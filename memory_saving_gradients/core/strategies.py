@@ -384,12 +384,12 @@ def for_any_batch(model: GraphModel, strategy) -> Result:
 
 
 def unsized_note(model: GraphModel) -> str:
-    """Says which sizes a plan assumed, for a model with `unsized` activations."""
+    """Says which sizes a plan assumed, for a model with `unsized` activations
+    (whatever chose it: `for_any_batch`'s own note says when that was 16x)."""
     return (f"{unsized_activations(model)}; each unknown dimension of the step's inputs "
             f"(and of function calls' and loops' outputs) is counted as {UNKNOWN_DIM_SIZE}, "
             f"TensorFlow's shape functions sizing the rest, so predicted bytes are for that "
-            f"size; the plan was chosen as for {UNKNOWN_DIM_CHOICE_SCALE}x that batch, where "
-            f"checkpointing pays. For a plan sized to your batch, {STATIC_BATCH}")
+            f"size. For a plan sized to your batch, {STATIC_BATCH}")
 
 
 def unsized_activations(model: GraphModel) -> str:
