@@ -37,7 +37,9 @@ def session_peak_bytes(sess, fetches, feed_dict=None, device: str | None = None)
     logical CPU devices share one allocator, whose statistics
     `function_peak_bytes` reads, so only this tells them apart).
     It counts everything the run allocated: activations, gradients, and
-    outputs, but not variables, which live outside the step.
+    outputs, but not variables, which live outside the step. Under the BFC
+    allocator a record holds the chunk handed out, up to twice the request,
+    and which chunk depends on what the process allocated before.
     """
     results, metadata = allocations.traced_run(sess, fetches, feed_dict)
     return allocations.peak_bytes(metadata, device), results

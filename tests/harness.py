@@ -19,6 +19,7 @@ import tensorflow as tf
 from tensorflow.python.framework.indexed_slices import IndexedSlicesValue
 
 import memory_saving_gradients as msg
+from memory_saving_gradients.tfgraph import allocations
 from memory_saving_gradients.tfgraph import gradient_waits
 
 # The unpatched tf.gradients, whatever other tests do to tf.gradients.
@@ -315,6 +316,24 @@ def copied_forward_loops(graph, forward_ops):
     misses them: differentiating a loop changes its attributes)."""
     return {_original_name(op) for op in graph.get_operations()
             if op.type in ("While", "StatelessWhile") and _original_name(op) in forward_ops}
+
+
+def one_thread_session_config():
+    """A Session config with an inter-op thread of its own. Without
+    `use_per_session_threads` a Session runs on the process's global pool, which the
+    first Session of the process sized: two threads here if an earlier test made a
+    Session with the default config."""
+    return tf.compat.v1.ConfigProto(inter_op_parallelism_threads=1,
+                                    use_per_session_threads=True)
+
+
+def requested_session_peak(sess, fetches, feed):
+    """(peak bytes requested, values) of `fetches` run in `sess`: like
+    `msg.session_peak_bytes`, but the bytes the ops asked for. Under BFC the
+    records hold the chunks handed out, up to twice a request, and which chunk
+    depends on what the process allocated before (a buffer or two either way)."""
+    values = sess.run(fetches, feed)
+    return allocations.requested_run_peak(sess, fetches, feed), values
 
 
 def run_session(fetches, feed):

@@ -20,6 +20,7 @@ from tests.harness import assert_matches_stock
 from tests.harness import gradients_vs_stock
 from tests.harness import spy
 from tests.harness import stock_gradient_ops
+from tests.harness import one_thread_session_config
 
 RUNTIMES = ("session", "function", "xla")
 # (rtol, atol) per dtype: only the order of one addition differs from tf.gradients.
@@ -263,7 +264,7 @@ def test_requested_bytes_are_lower(sinking_off):
         with graph.as_default():
             x = tf.compat.v1.placeholder(tf.float32, shape)
             grads = msg.gradients(*_loss_and_xs(x), checkpoints="memory")
-            config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=1)
+            config = one_thread_session_config()
             with tf.compat.v1.Session(config=config) as sess:
                 sess.run(tf.compat.v1.global_variables_initializer())
                 feed = {x: _normal(shape, seed=3, scale=1.0)}

@@ -9,6 +9,7 @@ import tensorflow as tf
 import memory_saving_gradients as msg
 from memory_saving_gradients.tfgraph import allocations
 from memory_saving_gradients.tfgraph.loops import LOOP_OP_TYPES
+from tests.harness import one_thread_session_config
 
 STEPS, BATCH, WIDTH = 50, 8, 16
 STEP_BYTES = BATCH * WIDTH * 4  # one float32 [BATCH, WIDTH]
@@ -618,7 +619,7 @@ def test_a_kept_loops_gradient_runs_one_iteration_at_a_time():
             plan = msg.checkpoint_plan(loss, [w], "memory")
             grads = differentiate(loss, [w])
             loops = [op for op in graph.get_operations() if op.type in LOOP_OP_TYPES]
-            config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=1)
+            config = one_thread_session_config()
             with tf.compat.v1.Session(config=config) as sess:
                 sess.run(tf.compat.v1.global_variables_initializer())
                 values = sess.run(grads, {x: x_value})

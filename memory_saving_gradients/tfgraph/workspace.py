@@ -92,8 +92,9 @@ def gradient_workspace_bytes(op: tf.Operation, concurrent: bool = False,
 def several_inter_op_threads() -> bool:
     """Whether TensorFlow's executor runs independent ops at once: more than one
     inter-op thread (set by `tf.config.threading`, else by TF_NUM_INTEROP_THREADS,
-    else one per CPU this process may run on; a v1 Session's own ConfigProto is
-    not seen)."""
+    else one per CPU this process may run on). A v1 Session's ConfigProto is
+    not seen: unless it sets `use_per_session_threads`, the Session runs on a
+    process-wide pool that the process's first Session sized."""
     threads = (tf.config.threading.get_inter_op_parallelism_threads()
                or int(os.environ.get("TF_NUM_INTEROP_THREADS") or 0))
     if not threads:
