@@ -10,6 +10,7 @@ traces it.
     python -m benchmarks.keras_fit                    # both models: 10-40 min on 2 shared cores
     python -m benchmarks.keras_fit --models cnn --steps 4
     python -m benchmarks.keras_fit --data dataset     # a tf.data pipeline: batch unknown
+    python -m benchmarks.keras_fit --models ResNet50,DenseNet121   # keras.applications
 
 `--data dataset` feeds `fit` a tf.data dataset batched without
 drop_remainder, as most input pipelines are: Keras then traces its step with
@@ -26,6 +27,7 @@ import re
 import subprocess
 import sys
 
+from benchmarks import image_models
 from examples import keras_models
 
 METHODS = {"fit": None, "fit + Checkpointing(memory)": "memory",
@@ -38,22 +40,31 @@ RESULTS = os.path.join(os.path.dirname(__file__), "results", "keras_fit.json")
 
 
 def build(name):
-    """The model and one batch: MobileNetV2 (batch norm), a BERT-like encoder or
-    ConvNeXtTiny (grouped convolutions: XLA-compiled calls)."""
+    """The model and one batch: MobileNetV2 (batch norm), a BERT-like encoder,
+    ConvNeXtTiny (grouped convolutions: XLA-compiled calls), or any other
+    keras.applications model by its name (8 images of `image_models.HELD_OUT`'s
+    side for it, else 64 pixels)."""
     import keras
     import numpy as np
     keras.utils.set_random_seed(0)
     rng = np.random.RandomState(0)
-    if name == "cnn":
+    if name not in MODELS and hasattr(keras.applications, name):
+        pixels = image_models.HELD_OUT.get(name, 64)
+        model = image_models.application(name, pixels, classes=4)
+        x, _ = image_models.image_data(8, pixels)
+    elif name == "cnn":
         model = keras_models.mobilenet(size=96)
         x = rng.rand(32, 96, 96, 3).astype("float32")
     elif name == "convnext":
         model = keras.applications.ConvNeXtTiny(weights=None, input_shape=(64, 64, 3),
                                                 classes=4, include_preprocessing=False)
         x = rng.rand(8, 64, 64, 3).astype("float32")
-    else:
+    elif name == "bert":
         model = keras_models.bert_like(vocab=1000, width=128, layers=4)
         x = rng.randint(1, 1000, (16, 128))
+    else:
+        raise ValueError(f"unknown model {name!r}: one of {', '.join(MODELS)} or the name of "
+                         f"a keras.applications model")
     y = rng.randint(0, 4, len(x))
     model.compile(optimizer="adam",
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
@@ -121,7 +132,8 @@ def run_child(model_name, method, steps, data):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--models", default=",".join(MODELS),
+                        help="of " + ", ".join(MODELS) + " or keras.applications names")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--methods", default=";".join(METHODS),
                         help="';'-separated; ratios are against the first")
