@@ -114,6 +114,24 @@ def test_the_plan_says_what_it_assumed(encoder, caplog):
                                f"(a batch of {16 * BATCH})")
 
 
+def test_a_list_of_checkpoints_is_not_said_to_be_chosen_for_a_large_batch():
+    weights = [tf.Variable(tf.fill([64, 64], 0.01 * (i + 1))) for i in range(4)]
+    found = {}
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 64])])
+    def step(x):
+        h, marks = x, []
+        for w in weights:
+            h = tf.tanh(h @ w)
+            marks.append(h)
+        found["plan"] = msg.checkpoint_plan(tf.reduce_sum(h), weights, marks[1:2])
+
+    step.get_concrete_function()
+    notes = found["plan"].notes
+    assert any("unknown when traced" in n for n in notes), notes
+    assert not any("16x" in n for n in notes), notes
+
+
 def test_a_budget_asks_for_a_static_batch(encoder):
     model, _ = encoder
     with pytest.raises(ValueError, match=r"budget\(.*dimensions unknown when traced.*"
