@@ -57,7 +57,7 @@ def test_image_family_builds_and_samples_at_its_size():
 def test_keras_fit_builds_keras_applications_models_by_name():
     from benchmarks import keras_fit
     model, x, y = keras_fit.build("MobileNetV3Small")
-    assert x.shape == (8, 64, 64, 3) and len(y) == 8
+    assert x.shape == (32, 96, 96, 3) and len(y) == 32
     assert model(x[:1]).shape == (1, 4)
     with pytest.raises(ValueError, match="keras.applications"):
         keras_fit.build("NoSuchNet")
