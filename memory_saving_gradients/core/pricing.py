@@ -17,6 +17,12 @@ def predict(model, plan) -> timeline.Estimate:
     return timeline.predict(model, plan)
 
 
+def activation_peak(model, plan) -> int:
+    """`plan`'s peak with each weight gradient taken as it is made (an optimizer
+    step in the same graph), not held to the end as `predict` holds it."""
+    return timeline.activation_peak(model, plan)
+
+
 def with_allocator_peaks(model, plan, estimate) -> timeline.Estimate:
     """`estimate` (`predict`'s of `plan`) with the peak a BFC allocator reaches
     (`allocator_peak_bytes`: whole chunks, never below the bytes requested),

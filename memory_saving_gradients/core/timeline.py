@@ -187,14 +187,35 @@ def step_peaks(model: GraphModel, plan: Optional[Plan] = None) -> tuple:
     (ResNet50 at 64 px, one thread: stock's step 3.5 MiB above its weight
     gradients where they wait, 47 predicted where they do not; the plan's 12.4).
     """
-    stock = _is_stock(plan)
     parts = None
-    if stock and model.deferred_weight_gradient_types:
+    if _is_stock(plan) and model.deferred_weight_gradient_types:
         parts = op_table.per_model(model, "one_thread_order", stock_order.one_thread_order)
+    replay = _replayed(model, plan, parts)
+    return replay._peak(), _without_weight_gradients(replay)
+
+
+def activation_peak(model: GraphModel, plan: Optional[Plan] = None) -> int:
+    """`step_peaks`' activation peak, stock's replayed one op at a time as
+    `predict` replays it: what the step holds where each weight gradient is
+    taken as it is made (an optimizer's update in the same graph, as in
+    Keras's `fit`) instead of held to the end."""
+    if _is_stock(plan):
+        return op_table.per_model(model, "stock_activation_peak",
+                                  lambda m: _without_weight_gradients(_replayed(m, None)))
+    return _without_weight_gradients(_replayed(model, plan))
+
+
+def _replayed(model, plan, stock_parts=None):
+    """The replay of `plan` (stock tf.gradients': None), run."""
+    stock = _is_stock(plan)
     replay = _Replay(model, stock=stock, stacked=frozenset() if stock else plan.loops.stacked,
-                     stock_parts=parts)
+                     stock_parts=stock_parts)
     replay.run(() if stock else plan.levels)
-    return replay._peak(), int(replay._live(frozenset(replay.weight_keys)).max())
+    return replay
+
+
+def _without_weight_gradients(replay) -> int:
+    return int(replay._live(frozenset(replay.weight_keys)).max())  # pylint: disable=protected-access
 
 
 def op_order(model: GraphModel) -> tuple:
