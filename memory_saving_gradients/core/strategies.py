@@ -140,7 +140,8 @@ def memory(model: GraphModel, problem=None) -> Result:
     modes = least.plan.loops
     cheaper = _fitting(model, loop_plans.adjusted(problem, model, modes), least.peak_bytes,
                        "memory", modes)
-    if cheaper is None or cheaper.recompute_flops >= least.recompute_flops:
+    if (cheaper is None or cheaper.recompute_flops >= least.recompute_flops
+            or STOCK_FALLBACK and _above_stock_as_taken(model, cheaper.plan)):
         return least
     return dataclasses.replace(cheaper, notes=cheaper.notes + (
         f"least recompute at the least predicted peak "
@@ -279,7 +280,7 @@ def _solved(model, name, forbidden, problem=None, settings=(planning.LoopModes()
         why = (f"no plan was predicted below tf.gradients' peak of "
                f"{best.estimate.baseline_bytes / 2**20:.1f} MiB (the best of the cut model's "
                f"{len(priced)}: {best.peak_bytes / 2**20:.1f} MiB)")
-    elif pricing.activation_peak(model, best.plan) > pricing.activation_peak(model, None):
+    elif _above_stock_as_taken(model, best.plan):
         why = (f"the best plan ({best.peak_bytes / 2**20:.1f} MiB against tf.gradients' "
                f"{best.estimate.baseline_bytes / 2**20:.1f}, the weights' gradients held) "
                f"was predicted above tf.gradients where an optimizer takes each weight "
@@ -289,6 +290,12 @@ def _solved(model, name, forbidden, problem=None, settings=(planning.LoopModes()
         return best
     return stock(model, name, (
         f"{why}: the stock gradient, every activation kept, nothing recomputed",))
+
+
+def _above_stock_as_taken(model, plan) -> bool:
+    """Whether `plan` is predicted above tf.gradients where an optimizer in the
+    same graph takes each weight gradient as it is made (`_solved`)."""
+    return pricing.activation_peak(model, plan) > pricing.activation_peak(model, None)
 
 
 def low_peak_candidates(model: GraphModel, problem=None) -> list:
