@@ -103,7 +103,6 @@ def test_a_stock_plan_notes_no_loop_as_rerun():
     assert not any(note.startswith("loop ") for note in plan.notes), plan.notes
 
 
-
 def _normalized_dense_step(rows, width, mode):
     """(step peak in bytes, plan) of one SGD step of 12 Keras Dense layers of
     `width` units, each with batch norm, on `rows` rows: the optimizer in the

@@ -140,9 +140,12 @@ def memory(model: GraphModel, problem=None) -> Result:
     modes = least.plan.loops
     cheaper = _fitting(model, loop_plans.adjusted(problem, model, modes), least.peak_bytes,
                        "memory", modes)
-    if (cheaper is None or cheaper.recompute_flops >= least.recompute_flops
-            or STOCK_FALLBACK and _above_stock_as_taken(model, cheaper.plan)):
+    if cheaper is None or cheaper.recompute_flops >= least.recompute_flops:
         return least
+    if STOCK_FALLBACK:  # as `_solved` checks `least`
+        taken, stock_taken = _peaks_as_taken(model, cheaper.plan)
+        if taken > stock_taken:
+            return least
     return dataclasses.replace(cheaper, notes=cheaper.notes + (
         f"least recompute at the least predicted peak "
         f"({least.peak_bytes / 2**20:.1f} MiB, {least.recompute_flops:.3g} FLOPs recomputed)",))
@@ -280,22 +283,23 @@ def _solved(model, name, forbidden, problem=None, settings=(planning.LoopModes()
         why = (f"no plan was predicted below tf.gradients' peak of "
                f"{best.estimate.baseline_bytes / 2**20:.1f} MiB (the best of the cut model's "
                f"{len(priced)}: {best.peak_bytes / 2**20:.1f} MiB)")
-    elif _above_stock_as_taken(model, best.plan):
+    else:
+        taken, stock_taken = _peaks_as_taken(model, best.plan)
+        if taken <= stock_taken:
+            return best
         why = (f"the best plan ({best.peak_bytes / 2**20:.1f} MiB against tf.gradients' "
                f"{best.estimate.baseline_bytes / 2**20:.1f}, the weights' gradients held) "
                f"was predicted above tf.gradients where an optimizer takes each weight "
-               f"gradient as it is made ({pricing.activation_peak(model, best.plan) / 2**20:.1f}"
-               f" MiB against {pricing.activation_peak(model, None) / 2**20:.1f})")
-    else:
-        return best
+               f"gradient as it is made ({taken / 2**20:.1f} MiB against "
+               f"{stock_taken / 2**20:.1f})")
     return stock(model, name, (
         f"{why}: the stock gradient, every activation kept, nothing recomputed",))
 
 
-def _above_stock_as_taken(model, plan) -> bool:
-    """Whether `plan` is predicted above tf.gradients where an optimizer in the
-    same graph takes each weight gradient as it is made (`_solved`)."""
-    return pricing.activation_peak(model, plan) > pricing.activation_peak(model, None)
+def _peaks_as_taken(model, plan) -> tuple:
+    """(`plan`'s, tf.gradients') predicted peaks where an optimizer in the same
+    graph takes each weight gradient as it is made (`_solved`)."""
+    return pricing.activation_peak(model, plan), pricing.activation_peak(model, None)
 
 
 def low_peak_candidates(model: GraphModel, problem=None) -> list:
