@@ -52,6 +52,8 @@ def measured_live_at_peak(events):
             total += size
         elif addr in live:
             total -= live.pop(addr)[0]
+        else:  # made before the call (a variable's value an assignment replaced)
+            total += size
         if total > peak:
             peak, at_peak = total, dict(live)
     return peak, at_peak
@@ -82,6 +84,8 @@ def activation_peak(events, chunks=False):
             total += live[addr]
         elif addr in live:
             total -= live.pop(addr)
+        else:  # made before the call, as `profiled_allocations.requested_peak` counts it
+            total += size if chunks else -requested
         peak = max(peak, total)
     return peak
 

@@ -13,10 +13,7 @@ predicted above stock with each weight gradient taken as it is made);
 "memory, fallback off" is the plan the fallback refuses.
 
 Each process measures the three variants in turn, CALLS calls each, as the
-allocator's peak (TF_CPU_ALLOCATOR_USE_BFC=1). Not as the profiler's bytes
-requested: profiling changes the executor's order here (one inter-op thread:
-stock's step at 14.85 MiB requested under the profiler, 8.6-8.9 MiB of
-allocator peak without it, in the same process). Rows are appended to
+allocator's peak (TF_CPU_ALLOCATOR_USE_BFC=1). Rows are appended to
 results/NAME.jsonl; a table of the medians and ranges in MiB is printed.
 """
 

@@ -128,9 +128,8 @@ def test_no_plan_is_taken_above_stock_where_an_optimizer_takes_each_gradient(mod
 
 def test_the_plan_the_optimizer_guard_refuses_measures_above_stock():
     """The step above, stock's and the refused plan's allocator peaks with one
-    inter-op thread: 7.9-9.7 MiB against 11.3-13.1 in four processes (default
-    threading alike: benchmarks/results/s49_optimizer_guard.md). Not the
-    profiler's bytes requested: under it, stock's step measured 14.85 MiB."""
+    inter-op thread: 7.9-9.0 MiB against 11.3-13.1 in three processes (default
+    threading alike: benchmarks/results/s49_optimizer_guard.md)."""
     measured = module_result("tests.optimizer_step_peak", "1")
     stock, refused = (min(measured[v]["peaks_mib"])
                       for v in ("tf.gradients", "memory, fallback off"))

@@ -74,18 +74,30 @@ def _text(plane, stat):
 
 
 def requested_peak(events, ops_only: bool = False) -> int:
-    """Peak of the bytes requested over `events` (BFC's chunk excess left out).
+    """Peak of the bytes requested over `events` (BFC's chunk excess left out),
+    from the start of the call. A buffer made before the call and freed in it
+    (a variable's old value, replaced by an optimizer's or batch norm's
+    assignment) lowers the count, as it lowers the allocator's current bytes:
+    counting only the new one, an SGD step of 12 Dense + batch norm layers
+    peaked at 14.85 MiB requested against an allocator peak of 8.5-9.0.
 
     ops_only: count only buffers an op allocated (not a Session's feeds,
     which the client converts before the run); frees match by address.
     """
-    live, total, peak = {}, 0, 0
+    live, uncounted, total, peak = {}, set(), 0, 0
     for _, size, addr, op, _, requested in events:
-        if size > 0 and (op or not ops_only):
-            live[addr] = requested
-            total += requested
-        elif size < 0 and addr in live:
+        if size > 0:
+            if op or not ops_only:
+                live[addr] = requested
+                total += requested
+            else:
+                uncounted.add(addr)
+        elif addr in live:
             total -= live.pop(addr)
+        elif addr in uncounted:
+            uncounted.discard(addr)
+        else:
+            total -= requested
         peak = max(peak, total)
     return peak
 
