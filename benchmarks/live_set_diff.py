@@ -45,17 +45,12 @@ def requested_peak(events):
 
 def measured_live_at_peak(events):
     """(peak bytes over the call, {addr: (bytes, op, shape, requested)} live at it)."""
-    live, peak, at_peak, total = {}, 0, {}, 0
-    for _, size, addr, op, shape, requested in events:
-        if size > 0:
-            live[addr] = (size, op, shape, requested)
-            total += size
-        elif addr in live:
-            total -= live.pop(addr)[0]
-        else:  # made before the call (a variable's value an assignment replaced)
-            total += size
+    from memory_saving_gradients.tfgraph import profiled_allocations
+    peak, at_peak = 0, {}
+    for total, live in profiled_allocations.live_bytes(events, chunks=True):
         if total > peak:
-            peak, at_peak = total, dict(live)
+            peak, at_peak = total, {addr: (events[index][1], *events[index][3:])
+                                    for addr, (index, _) in live.items()}
     return peak, at_peak
 
 
@@ -76,18 +71,10 @@ def activation_peak(events, chunks=False):
     left out from their allocation on: the activations, their gradients and scratch at
     their most, wherever the weight gradients stand then. Bytes requested, or the
     allocator's chunks if `chunks`."""
+    from memory_saving_gradients.tfgraph import profiled_allocations
     returned = returned_buffers(events)
-    live, total, peak = {}, 0, 0
-    for index, (_, size, addr, _, _, requested) in enumerate(events):
-        if size > 0:
-            live[addr] = 0 if index in returned else (size if chunks else requested)
-            total += live[addr]
-        elif addr in live:
-            total -= live.pop(addr)
-        else:  # made before the call, as `profiled_allocations.requested_peak` counts it
-            total += size if chunks else -requested
-        peak = max(peak, total)
-    return peak
+    return max([0, *(total for total, _ in profiled_allocations.live_bytes(
+        events, chunks, left_out=returned.__contains__))])
 
 
 def predicted_live_at_peak(model, plan):

@@ -21,7 +21,6 @@ def test_requested_peak_leaves_out_the_chunk_excess():
     assert measured_live_at_peak(events)[0] == 14 * MIB
 
 
-
 def test_a_buffer_made_before_the_call_counts_its_release():
     # An assignment's new 2 MiB value, the old one (made before the call) freed, then a
     # 3 MiB request in a 4 MiB chunk, freed. Counting only the new value gave 5 MiB: an

@@ -73,33 +73,44 @@ def _text(plane, stat):
     return plane.stat_metadata[stat.ref_value].name if stat.ref_value else stat.str_value
 
 
+def live_bytes(events, chunks: bool = False, left_out=None):
+    """Yields (bytes live, {addr: index in `events` of its allocation}) after
+    each of `events`, from the start of the call: bytes requested, or BFC's
+    chunks if `chunks`. Allocations `left_out(index)` names are not counted,
+    nor are their frees. A free of a buffer made before the call (a variable's
+    old value, replaced by an optimizer's or batch norm's assignment) lowers
+    the count, as it lowers the allocator's current bytes: counting only the
+    new value, an SGD step of 12 Dense + batch norm layers peaked at 14.85 MiB
+    requested against an allocator peak of 8.5-9.0.
+    """
+    live, uncounted, total = {}, set(), 0
+    for index, (_, size, addr, _, _, requested) in enumerate(events):
+        amount = abs(size) if chunks else requested
+        if size > 0 and left_out is not None and left_out(index):
+            uncounted.add(addr)
+        elif size > 0:
+            live[addr] = (index, amount)
+            total += amount
+        elif addr in live:
+            total -= live.pop(addr)[1]
+        elif addr in uncounted:
+            uncounted.discard(addr)
+        else:
+            total -= amount
+        yield total, live
+
+
 def requested_peak(events, ops_only: bool = False) -> int:
     """Peak of the bytes requested over `events` (BFC's chunk excess left out),
-    from the start of the call. A buffer made before the call and freed in it
-    (a variable's old value, replaced by an optimizer's or batch norm's
-    assignment) lowers the count, as it lowers the allocator's current bytes:
-    counting only the new one, an SGD step of 12 Dense + batch norm layers
-    peaked at 14.85 MiB requested against an allocator peak of 8.5-9.0.
+    from the start of the call (`live_bytes`).
 
     ops_only: count only buffers an op allocated (not a Session's feeds,
     which the client converts before the run); frees match by address.
     """
-    live, uncounted, total, peak = {}, set(), 0, 0
-    for _, size, addr, op, _, requested in events:
-        if size > 0:
-            if op or not ops_only:
-                live[addr] = requested
-                total += requested
-            else:
-                uncounted.add(addr)
-        elif addr in live:
-            total -= live.pop(addr)
-        elif addr in uncounted:
-            uncounted.discard(addr)
-        else:
-            total -= requested
-        peak = max(peak, total)
-    return peak
+    def feed(index):
+        return not events[index][3]
+    totals = live_bytes(events, left_out=feed if ops_only else None)
+    return max([0, *(total for total, _ in totals)])
 
 
 def session_requested_peak(sess, fetches, feed_dict=None):
