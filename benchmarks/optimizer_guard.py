@@ -78,9 +78,9 @@ def _measure(variant, rows, width):
     return {"peaks_mib": peaks, "stock_plan": plan is None or bool(plan.plan.stock)}
 
 
-def print_peaks(rows, width, variants=VARIANTS):
+def print_peaks(rows, width):
     """Prints {variant: `_measure`'s row} of the step at `rows` x `width`, as JSON."""
-    print(json.dumps({variant: _measure(variant, rows, width) for variant in variants}))
+    print(json.dumps({variant: _measure(variant, rows, width) for variant in VARIANTS}))
 
 
 def main(argv=None):

@@ -20,7 +20,6 @@ from memory_saving_gradients.core import strategies
 from random_models import random_model
 from test_property import _forward
 from test_property import WIDTH
-from tests.harness import module_result
 
 # Random planner models whose cut-model plans the timeline priced above
 # tf.gradients at 40ac6c9 (seed, ops): 'memory' and 'speed' on each.
@@ -124,17 +123,6 @@ def test_no_plan_is_taken_above_stock_where_an_optimizer_takes_each_gradient(mod
     plan = _dense_step_plan(128, 512, mode)
     assert plan.plan.stock and plan.num_recomputed_ops == 0, plan.notes
     assert any("as it is made" in n for n in plan.notes), plan.notes
-
-
-def test_the_plan_the_optimizer_guard_refuses_measures_above_stock():
-    """The step above, stock's and the refused plan's allocator peaks with one
-    inter-op thread: 7.9-9.0 MiB against 11.3-13.1 in three processes (default
-    threading alike: benchmarks/results/s49_optimizer_guard.md)."""
-    measured = module_result("tests.optimizer_step_peak", "1")
-    stock, refused = (min(measured[v]["peaks_mib"])
-                      for v in ("tf.gradients", "memory, fallback off"))
-    assert not measured["memory, fallback off"]["stock_plan"]
-    assert refused >= 1.1 * stock, (refused, stock)
 
 
 def test_a_plan_is_kept_where_activations_outweigh_the_weights():
