@@ -61,3 +61,11 @@ def test_keras_fit_builds_keras_applications_models_by_name():
     assert model(x[:1]).shape == (1, 4)
     with pytest.raises(ValueError, match="keras.applications"):
         keras_fit.build("NoSuchNet")
+
+
+def test_keras_fit_reports_the_whole_peak_beside_the_activations():
+    from benchmarks import keras_fit
+    stock = {"peak_mib": 100.0, "grad_mib": 40.0, "step_s": 2.0}
+    ours = {"peak_mib": 55.0, "grad_mib": 40.0, "step_s": 2.5}
+    assert keras_fit.ratios(ours, stock) == pytest.approx(
+        {"peak_ratio": 0.55, "activation_ratio": 0.25, "time_ratio": 1.25})
