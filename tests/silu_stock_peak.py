@@ -3,11 +3,13 @@ tests/test_captured_reads.py.
 
     TF_CPU_ALLOCATOR_USE_BFC=1 python -m tests.silu_stock_peak
 
-x -> (x * w_i -> silu) * 16 -> sum, 1 MB tensors, scalar weights. Prints
-{"predicted_mb": the planner's prediction of tf.gradients' activation peak,
-"measured_mb": the peak of bytes requested over one profiled call}. Grappler's
-constant folding makes silu's early `beta * features` (beta = 1) an Identity
-here: nothing is held for it (measured 33 MB, 48 with the folding off).
+x -> (x * w_i -> silu) * 16 -> sum, x of 32 rows (about 1 MB), scalar weights,
+traced with its rows known and with them unknown (the planner then assumes 32,
+`sized_shapes`). Prints {"known" | "unknown": {"predicted_mb": the planner's
+prediction of tf.gradients' activation peak, "measured_mb": the peak of bytes
+requested over one profiled call}}. Grappler's constant folding makes silu's
+early `beta * features` (beta = 1) an Identity here, the rows known or not:
+nothing is held for it (measured 33 MB, 48 with the folding off).
 """
 
 import json
@@ -19,14 +21,14 @@ import memory_saving_gradients as msg
 from benchmarks.live_set_diff import allocator_events
 from benchmarks.live_set_diff import requested_peak
 
-UNIT, DEPTH = 250_000, 16
+ROWS, COLUMNS, DEPTH = 32, 7813, 16
 
 
-def main():
-    weights = [tf.Variable(1.0 + 0.01 * i) for i in range(DEPTH)]
+def measured(rows, weights, x):
+    """(predicted, measured) MB of stock's step traced with `rows` rows (None: unknown)."""
     plans = []
 
-    @tf.function(autograph=False)
+    @tf.function(autograph=False, input_signature=[tf.TensorSpec([rows, COLUMNS])])
     def step(x):
         node = x
         for w in weights:
@@ -35,11 +37,16 @@ def main():
         plans.append(msg.checkpoint_plan(y, weights, "memory"))
         return tf.gradients(y, weights)
 
-    x = tf.constant(np.random.default_rng(0).normal(size=UNIT).astype(np.float32))
     step(x)  # traced once, outside the measured call
     peak = requested_peak(allocator_events(lambda inputs, _: step(inputs), x, None))
-    print(json.dumps({"predicted_mb": plans[0].estimate.baseline_bytes / 1e6,
-                      "measured_mb": peak / 1e6}))
+    return {"predicted_mb": plans[0].estimate.baseline_bytes / 1e6, "measured_mb": peak / 1e6}
+
+
+def main():
+    weights = [tf.Variable(1.0 + 0.01 * i) for i in range(DEPTH)]
+    x = tf.constant(np.random.default_rng(0).normal(size=(ROWS, COLUMNS)).astype(np.float32))
+    print(json.dumps({"known": measured(ROWS, weights, x),
+                      "unknown": measured(None, weights, x)}))
 
 
 if __name__ == "__main__":

@@ -209,19 +209,20 @@ def _probe(op, grad_fn, wanted, folds, sized):
         read = {id(t) for new_op in new_ops
                 if new_op.type not in op_kinds.SHAPE_ONLY_OP_TYPES for t in new_op.inputs}
         result_ids = {id(r) for r in results if r is not None}
-        scratch_bytes = _intermediate_peak(new_ops, result_ids)
         pairs = compat.captured_pairs(scratch) if custom else ()
         outer_of = {id(inner): outer for outer, inner in pairs}
+        value_of = _value_of(folds, outer_of)
+        scratch_bytes = _intermediate_peak(new_ops, result_ids, value_of=value_of)
         # Before `sums_first` below adds its edges: early parts are those
         # that wait for no seed in the gradient as tf.gradients builds it.
-        early = early_gradients.early_bytes(new_ops, seeds, _value_of(folds, outer_of))
+        early = early_gradients.early_bytes(new_ops, seeds, value_of)
 
         def forwarding():
             return (tuple((i, found) for i, found in (
                 (i, _forward_candidates(r, stands_for, new_ops))
                 for i, r in enumerate(all_results)
                 if i < len(wanted) and wanted[i] and i not in dict(passed)) if found),
-                _scratch_forwards(new_ops, result_ids, stands_for, scratch_bytes))
+                _scratch_forwards(new_ops, result_ids, stands_for, scratch_bytes, value_of))
         stock = forwarding()
         # The rewrite makes a broadcast product's sibling wait for its sum:
         # the sibling then reads the incoming gradient last.
@@ -285,13 +286,13 @@ def _read_last_by(kernel, tensor, ops, before):
                for reader in tensor.consumers() if reader in ops)
 
 
-def _scratch_forwards(ops, results, stands_for, scratch):
+def _scratch_forwards(ops, results, stands_for, scratch, value_of):
     """(stand-in, bytes saved) for each stand-in (`stands_for`) that an
     intermediate of `ops` (not a result) may be written over: `scratch` less
     the intermediate peak where that stand-in's buffer is the ops' to write
     over (SquaredDifference's gradient writes `x - y` over a recomputed `x`
     that dies there, which the probe, holding its stand-ins elsewhere, counts
-    as a buffer of its own)."""
+    as a buffer of its own). `value_of` as in `_intermediate_peak`."""
     found, seen = [], set()
     for op in ops:
         for out, inputs in op_kinds.forwardable_inputs(op):
@@ -304,7 +305,8 @@ def _scratch_forwards(ops, results, stands_for, scratch):
                 # Only where `op` surely reads it last (as `_forward_candidates`).
                 if not _read_last_by(op, t, ops, gradient_waits.waits_for(ops, op)):
                     continue
-                saved = scratch - _intermediate_peak(ops, results, writable=t)
+                saved = scratch - _intermediate_peak(ops, results, writable=t,
+                                                     value_of=value_of)
                 if saved > 0:
                     found.append((stands_for[id(t)], saved))
     return tuple(found)
@@ -327,7 +329,7 @@ def _leading_to(ops, results):
     return [op for op in ops if op in needed]
 
 
-def _intermediate_peak(ops, results, writable=None):
+def _intermediate_peak(ops, results, writable=None, value_of=lambda t: None):
     """Peak bytes `ops` (in creation order) hold beyond the results they make.
 
     The timeline allocates the results beside this scratch, so a buffer that
@@ -340,12 +342,14 @@ def _intermediate_peak(ops, results, writable=None):
     (`op_kinds.reduction_temp_bytes`) counts while it runs. `writable`: a
     stand-in whose buffer the ops may write over after their last read of it
     (counted elsewhere: what is written there costs nothing here).
+    `value_of(t)`: `t`'s value where Grappler folds it (`_value_of`), for the
+    products by one it makes identities (`early_gradients.folds_to_identity`).
     """
     last_reader = {}
     for step, op in enumerate(ops):
         for t in op.inputs:
             last_reader[id(t)] = step
-    buffers = _buffers(ops, last_reader, writable)
+    buffers = _buffers(ops, last_reader, writable, value_of)
     starts, frees, result_bytes = {}, {}, 0
     for start, size, tensors in buffers:
         starts[start] = starts.get(start, 0) + size
@@ -363,11 +367,14 @@ def _intermediate_peak(ops, results, writable=None):
     return max(peak - result_bytes, 0)
 
 
-def _buffers(ops, last_reader, writable=None):
+def _buffers(ops, last_reader, writable=None, value_of=lambda t: None):
     """(first step, bytes, ids of the tensors sharing it) of each buffer `ops`
     allocate: an aliasing op's output shares its input's buffer (a stand-in's
-    at no bytes), and so does an element-wise op's whose same-sized
-    intermediate input (or `writable`) dies there; `writable`'s buffer is
+    at no bytes), as does a product by one Grappler folds (`value_of`; silu's
+    `beta * features`: measured, EfficientNetB0's recomputed swish gradients
+    held two buffers beside their input and output, not three), and so does an
+    element-wise op's whose same-sized intermediate input (or `writable`) dies
+    there; `writable`'s buffer is
     listed first, at no bytes."""
     buffer_of, buffers = {}, []
     if writable is not None:
@@ -376,12 +383,15 @@ def _buffers(ops, last_reader, writable=None):
     outside = set()  # stand-ins' buffers: counted and freed elsewhere, never written over
     for step, op in enumerate(ops):
         shared = None
-        if op.type in timeline.ALIASING_OP_TYPES and op.inputs:
-            if id(op.inputs[0]) not in buffer_of:
-                buffers.append((step, 0, {id(op.inputs[0])}))
-                buffer_of[id(op.inputs[0])] = len(buffers) - 1
+        source = (op.inputs[0] if op.type in timeline.ALIASING_OP_TYPES and op.inputs
+                  else early_gradients.folds_to_identity(op.outputs[0], value_of)
+                  if op.outputs else None)
+        if source is not None:
+            if id(source) not in buffer_of:
+                buffers.append((step, 0, {id(source)}))
+                buffer_of[id(source)] = len(buffers) - 1
                 outside.add(len(buffers) - 1)
-            shared = buffer_of[id(op.inputs[0])]
+            shared = buffer_of[id(source)]
         else:
             forwarded = _forwarded_input(op, buffer_of, outside, last_reader, step)
             if forwarded is not None:
