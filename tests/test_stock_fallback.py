@@ -145,3 +145,24 @@ def test_memory_keeps_the_least_peak_plan_where_its_cheaper_one_is_above_stock(m
     monkeypatch.setattr(pricing, "activation_peak", lambda m, plan: (
         sum(peaks) // 2 if plan is None else as_taken(m, plan)))
     assert strategies.memory(model).chosen == least.chosen
+
+
+def test_the_next_plan_below_stock_both_ways_is_taken_where_the_best_is_not(monkeypatch):
+    """Where the least-peak plan is above stock with each weight gradient taken
+    as it is made, the next of the cut model's plans that is below stock both
+    ways is taken, not stock (before session 50: stock). On this random model
+    the first two plans tie with the weights' gradients held (193 MiB), and the
+    second keeps less with each taken as made (201 MiB against 207); stock's
+    count is set between the two."""
+    model = random_model(48, ops=60)
+    ranked = sorted(strategies.low_peak_candidates(model),
+                    key=lambda r: (r.peak_bytes, r.recompute_flops))
+    best, second = ranked[:2]
+    peaks = [pricing.activation_peak(model, r.plan) for r in (best, second)]
+    assert second.peak_bytes < best.estimate.baseline_bytes and peaks[1] < peaks[0]
+    as_taken = pricing.activation_peak
+    monkeypatch.setattr(pricing, "activation_peak", lambda m, plan: (
+        sum(peaks) // 2 if plan is None else as_taken(m, plan)))
+    result = strategies.least_peak(model)
+    assert result.chosen == second.chosen and not result.plan.stock
+    assert any("taken instead" in n for n in result.notes), result.notes
