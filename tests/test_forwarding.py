@@ -28,6 +28,7 @@ from memory_saving_gradients.core import timeline
 from memory_saving_gradients.tfgraph import op_kinds
 from memory_saving_gradients.tfgraph import profiled_allocations
 from memory_saving_gradients.tfgraph import reading
+from memory_saving_gradients.tfgraph import sized_shapes
 
 MIB = 2 ** 20
 SHAPE = (256, 1024)  # float32: 1 MiB
@@ -144,6 +145,25 @@ def test_unknown_dimensions_in_the_same_places_are_taken_to_match():
         labels = tf.compat.v1.placeholder(tf.int32, [4])
         xent = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=fixed).op
         assert _names(op_kinds.forwardable_inputs(xent)) == [(xent.outputs[1].name, [fixed.name])]
+
+
+def test_an_unknown_dimension_matches_the_size_the_planner_assumes_for_it():
+    """A custom gradient's closure reads the original tensor, of unknown batch,
+    beside a gradient probe's stand-ins sized as the planner assumes (32): a
+    product of the two may be written over either (before session 50, over the
+    stand-in alone: EfficientNetB0's swish gradients with the batch unknown
+    were priced a buffer under measured). Other sizes still do not match."""
+    graph = tf.Graph()
+    with graph.as_default():
+        unknown = tf.compat.v1.placeholder(tf.float32, [None, 8])
+        assumed = tf.compat.v1.placeholder(tf.float32, [sized_shapes.UNKNOWN_DIM_SIZE, 8])
+        product = (tf.sigmoid(unknown) * assumed).op
+        assert _names(op_kinds.forwardable_inputs(product)) == [
+            (product.outputs[0].name, [product.inputs[0].name, assumed.name])]
+        other = tf.compat.v1.placeholder(tf.float32, [sized_shapes.UNKNOWN_DIM_SIZE + 1, 8])
+        mixed = tf.add(tf.sigmoid(unknown), other).op
+        assert _names(op_kinds.forwardable_inputs(mixed)) == [
+            (mixed.outputs[0].name, [other.name])]
 
 
 def _names(pairs):

@@ -70,7 +70,11 @@ def forwardable_inputs(op: tf.Operation) -> list:
     `_FORWARDING_OUTPUTS` over the inputs listed; inputs of the output's
     dtype and static shape that the op reads once (an input read twice, as
     in `x * x`, is held twice and never forwarded). Unknown dimensions in the
-    same places are taken to be the same (the batch)."""
+    same places are taken to be the same (the batch), and an unknown one to be
+    the size the planner assumes for it (`sized_shapes`): a custom gradient's
+    closure reads the original tensor, of unknown batch, beside a gradient
+    probe's stand-ins sized so (EfficientNetB0's swish gradients, batch
+    unknown, were taken to write over their incoming gradient alone)."""
     if op.type in FORWARDING_OP_TYPES and len(op.outputs) == 1:
         pairs = ((0, range(len(op.inputs))),)
     else:
@@ -83,11 +87,18 @@ def forwardable_inputs(op: tf.Operation) -> list:
             continue
         fitting = [inputs[i] for i in candidates
                    if sum(inputs[i] is other for other in inputs) == 1
-                   and inputs[i].dtype == out.dtype and inputs[i].shape.rank is not None
-                   and inputs[i].shape.as_list() == out.shape.as_list()]
+                   and inputs[i].dtype == out.dtype and _same_shape(inputs[i], out)]
         if fitting:
             found.append((out, fitting))
     return found
+
+
+def _same_shape(t: tf.Tensor, out: tf.Tensor) -> bool:
+    """Whether `t` has `out`'s shape (of known rank), as `forwardable_inputs` takes it."""
+    if t.shape.rank is None:
+        return False
+    return (t.shape.as_list() == out.shape.as_list()
+            or sized_shapes.sized_dims(t) == sized_shapes.sized_dims(out))
 
 
 _CONTRACTION_OP_TYPES = ("MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3")
