@@ -297,9 +297,11 @@ def _solved(model, name, forbidden, problem=None, settings=(planning.LoopModes()
                f"gradients held) was predicted above tf.gradients where an optimizer takes "
                f"each weight gradient as it is made ({taken / 2**20:.1f} MiB against "
                f"{stock_taken / 2**20:.1f})")
+        # Strictly below as taken: a plan only equal to stock there would add
+        # recompute for nothing where the optimizer's count is the one that matters.
         for other in ranked[1:]:
             if (other.peak_bytes < baseline
-                    and pricing.activation_peak(model, other.plan) <= stock_taken):
+                    and pricing.activation_peak(model, other.plan) < stock_taken):
                 return dataclasses.replace(other, notes=other.notes + (
                     f"{why}; taken instead: the next of them below tf.gradients both ways "
                     f"({other.peak_bytes / 2**20:.1f} MiB with the weights' gradients held)",))
