@@ -233,6 +233,16 @@ def test_strided_and_transposed_filter_gradients_drop_the_kernel_scratch(kind):
     assert ours_peak < 4 * MIB
 
 
+def _least_peak(step, *args, calls=3):
+    """`msg.function_peak_bytes` of `step(*args)` with the least peak of `calls`
+    calls: with the suite's other worker busy, the executor's order can put a
+    step's buffers together once (CI on TensorFlow 2.16: the sliced transposed
+    step at 1.28 MiB against 1.49 whole, under the half-tap margin it keeps
+    when run alone: three runs of it passed)."""
+    return min((msg.function_peak_bytes(step, *args) for _ in range(calls)),
+               key=lambda measured: measured[0])
+
+
 @pytest.mark.parametrize("kind", ["spatial", "transposed"])
 def test_filter_gradient_slices_parts_of_a_large_batch(kind, monkeypatch):
     """A tap's two slices over the whole batch past TAP_SLICE_BYTES (a quarter
@@ -266,7 +276,7 @@ def test_filter_gradient_slices_parts_of_a_large_batch(kind, monkeypatch):
     stock = tf.function(lambda grad_y: tf.gradients(forward(), [w], grad_ys=grad_y)[0])
     parts(grad_y)
     (whole_peak, (whole_grad, whole_model)), (parts_peak, (parts_grad, parts_model)) = (
-        msg.function_peak_bytes(step, grad_y) for step in (whole, parts))
+        _least_peak(step, grad_y) for step in (whole, parts))
     np.testing.assert_allclose(parts_grad.numpy(), stock(grad_y).numpy(), rtol=1e-4, atol=1e-3)
     np.testing.assert_allclose(whole_grad.numpy(), parts_grad.numpy(), rtol=1e-4, atol=1e-3)
     graph = parts.get_concrete_function().graph
