@@ -193,3 +193,25 @@ def test_a_swish_gradient_holds_no_buffer_for_its_product_by_one(rows):
     # tensors are of unknown batch beside stand-ins of 32 rows, and before session
     # 50 only the incoming gradient matched the result's shape.
     assert gradient_reads.gradient_reads(found["op"], (True, True, False), True).forwards == ()
+
+
+@pytest.mark.parametrize("rows", [32, None])
+def test_a_custom_gradient_closure_is_sized_as_its_call_is(rows):
+    """A tf.custom_gradient's closure holds the call's own tensors, which the
+    probe captures: with the batch unknown and the features reshaped into
+    4 rows an image, they are sized as the planner sizes the call (128 rows),
+    not at 32 rows from their static shape (before session 51: the early
+    product and the scratch were a quarter of a buffer, a review's find)."""
+    found = {}
+
+    @tf.function(input_signature=[tf.TensorSpec([rows, 4, 1000])])
+    def swish(x):
+        found["op"] = tf.nn.silu(tf.reshape(x * 2.0, [-1, 1000])).op
+        return found["op"].outputs[0]
+
+    swish.get_concrete_function()
+    buffer = 4 * 32 * 1000 * 4
+    reads = gradient_reads.gradient_reads(found["op"], folds=True)
+    assert reads.early_bytes == buffer
+    assert reads.scratch_bytes == pytest.approx(buffer, rel=1e-3)
+    assert gradient_reads.gradient_reads(found["op"], (True, True, False), True).forwards == ()

@@ -11,6 +11,7 @@ import contextlib
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.eager import record
+from tensorflow.python.framework import func_graph as func_graph_module
 from tensorflow.python.framework import function_def_to_graph
 from tensorflow.python.framework import importer
 from tensorflow.python.framework import op_def_registry
@@ -130,13 +131,39 @@ def add_control_input(op: tf.Operation, control: tf.Operation) -> None:
     op._add_control_input(control)  # pylint: disable=protected-access
 
 
-def capturing_graph(outer: tf.Graph, name: str):
+def capturing_graph(outer: tf.Graph, name: str, shape_of=None):
     """An empty graph whose ops may read `outer`'s tensors: each one read is
     captured (a placeholder inside; `captured_pairs` lists them), and nothing
-    is added to `outer`."""
-    from tensorflow.python.framework import func_graph  # pylint: disable=import-outside-toplevel
+    is added to `outer`. `shape_of(tensor)`, where given, is the shape the
+    placeholder of each of `outer`'s own value tensors takes (its dimensions
+    sized where the tensor leaves them unknown)."""
     with outer.as_default():
-        return func_graph.FuncGraph(name)
+        return _SizedCaptures(name, shape_of)
+
+
+class _SizedCaptures(func_graph_module.FuncGraph):
+    """A FuncGraph whose captures of its outer graph's value tensors take the
+    shapes `shape_of` gives (TensorFlow's own capture takes the static shape,
+    and ignores the `shape` it is passed)."""
+
+    def __init__(self, name, shape_of):
+        super().__init__(name)
+        self._shape_of = shape_of
+
+    def capture(self, tensor, name=None, shape=None):
+        if (self._shape_of is not None and isinstance(tensor, tf.Tensor)
+                and not is_eager_tensor(tensor) and tensor.graph is self.outer_graph
+                and tensor.dtype not in (tf.resource, tf.variant)
+                and not any(outer is tensor for outer, _ in self.captures)):
+            dims = self._shape_of(tensor)
+            if dims is not None and dims != tensor.shape.as_list():
+                # Outside the control dependencies of the op that reads it, as
+                # TensorFlow makes its own captures.
+                with self.as_default(), tf.control_dependencies(None):
+                    placeholder = tf.compat.v1.placeholder(tensor.dtype, dims, name=name)
+                self.add_capture(tensor, placeholder)
+                return placeholder
+        return super().capture(tensor, name, shape)
 
 
 def captured_pairs(graph) -> list:

@@ -183,7 +183,9 @@ def _probe(op, grad_fn, wanted, folds, sized):
     # A tf.custom_gradient's gradient ignores the op and reads the forward
     # tensors its closure holds: built where it may capture them, it shows them.
     custom = _overridden(op)
-    scratch = compat.capturing_graph(op.graph, "gradient_probe") if custom else tf.Graph()
+    scratch = (compat.capturing_graph(op.graph, "gradient_probe",
+                                      sized_shapes.sized_dims if sized else None)
+               if custom else tf.Graph())
     with scratch.as_default():
         inputs = [_stand_in(t, f"input{i}", sized, value)
                   for i, (t, value) in enumerate(zip(op.inputs, _axis_values(op)))]
