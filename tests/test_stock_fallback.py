@@ -166,3 +166,31 @@ def test_the_next_plan_below_stock_both_ways_is_taken_where_the_best_is_not(monk
     result = strategies.least_peak(model)
     assert result.chosen == second.chosen and not result.plan.stock
     assert any("taken instead" in n for n in result.notes), result.notes
+
+
+def test_memory_says_whose_peak_its_cheaper_plan_matches_after_a_plan_taken_instead(
+        monkeypatch):
+    """Where the least-peak plan was set aside for the next one (as above) and
+    `memory` then finds a plan recomputing less at that one's peak, its note
+    names the plan taken instead and why, not "the least predicted peak" (a
+    review's find in session 50). The cheaper plan is one of the candidates
+    (194 MiB, 203 MiB as taken, recomputing less than the plan taken), given
+    as the search's answer."""
+    model = random_model(48, ops=60)
+    ranked = sorted(strategies.low_peak_candidates(model),
+                    key=lambda r: (r.peak_bytes, r.recompute_flops))
+    best, second = ranked[:2]
+    peaks = [pricing.activation_peak(model, r.plan) for r in (best, second)]
+    stock_taken = sum(peaks) // 2
+    cheaper = next(r for r in ranked if r.recompute_flops < second.recompute_flops
+                   and pricing.activation_peak(model, r.plan) <= stock_taken
+                   and r.chosen != best.chosen)
+    as_taken = pricing.activation_peak
+    monkeypatch.setattr(pricing, "activation_peak", lambda m, plan: (
+        stock_taken if plan is None else as_taken(m, plan)))
+    monkeypatch.setattr(strategies, "_fitting", lambda *args, **kwargs: cheaper)
+    result = strategies.memory(model)
+    assert result.chosen == cheaper.chosen
+    assert not any("least predicted peak (" in n for n in result.notes), result.notes
+    assert any("peak of the plan taken instead" in n for n in result.notes), result.notes
+    assert any("as it is made" in n for n in result.notes), result.notes

@@ -134,7 +134,7 @@ def memory(model: GraphModel, problem=None) -> Result:
     recomputed segments and the kept tensors are balanced.
     """
     problem = problem or cut_problem(model)
-    least = least_peak(model, problem)
+    least, instead = _chosen(model, "memory", low_peak_candidates(model, problem))
     if least.plan.stock:  # nothing recomputes less
         return least
     modes = least.plan.loops
@@ -142,13 +142,15 @@ def memory(model: GraphModel, problem=None) -> Result:
                        "memory", modes)
     if cheaper is None or cheaper.recompute_flops >= least.recompute_flops:
         return least
-    if STOCK_FALLBACK:  # as `_solved` checks `least`
+    if STOCK_FALLBACK:  # as `_chosen` checks `least`
         taken, stock_taken = _peaks_as_taken(model, cheaper.plan)
         if taken > stock_taken:
             return least
+    at = ("the least predicted peak" if instead is None else
+          "the predicted peak of the plan taken instead of the least-peak one")
     return dataclasses.replace(cheaper, notes=cheaper.notes + (
-        f"least recompute at the least predicted peak "
-        f"({least.peak_bytes / 2**20:.1f} MiB, {least.recompute_flops:.3g} FLOPs recomputed)",))
+        f"least recompute at {at} ({least.peak_bytes / 2**20:.1f} MiB, "
+        f"{least.recompute_flops:.3g} FLOPs recomputed)",) + ((instead,) if instead else ()))
 
 
 def least_peak(model: GraphModel, problem=None) -> Result:
@@ -260,17 +262,24 @@ def cut_problem(model: GraphModel):
 
 def _solved(model, name, forbidden, problem=None, settings=(planning.LoopModes(),)):
     """The least predicted peak among the cut model's best plans under each of
-    the loop `settings` (ties: least recompute).
+    the loop `settings` (ties: least recompute; `_chosen`)."""
+    return _chosen(model, name, _candidates(model, name, forbidden, problem, settings))[0]
+
+
+def _chosen(model, name, priced) -> tuple:
+    """(the plan of least predicted peak of `priced`, ties: least recompute;
+    None), or where that plan is above tf.gradients with each weight gradient
+    taken as it is made, (the next of them below tf.gradients both ways, or
+    tf.gradients itself; why).
 
     The cut model counts every recomputed output as alive at once and sees no
     gradients nor scratch buffers; the timeline does, and ranks its few best
     plans (one per bound on the largest interval) differently.
     """
-    priced = _candidates(model, name, forbidden, problem, settings)
     ranked = sorted(priced, key=lambda r: (r.peak_bytes, r.recompute_flops))
     best = ranked[0]
     if not STOCK_FALLBACK:
-        return best
+        return best, None
     # A plan that saves nothing would still cost its recompute (and, with
     # hundreds of levels, minutes of graph building): a user asking for less
     # memory never gets more than tf.gradients' own (the timeline sees
@@ -289,7 +298,7 @@ def _solved(model, name, forbidden, problem=None, settings=(planning.LoopModes()
     else:
         taken, stock_taken = _peaks_as_taken(model, best.plan)
         if taken <= stock_taken:
-            return best
+            return best, None
         # The margin, not the two peaks: where the weights' gradients dominate,
         # both print alike (0.25 MiB).
         below = (baseline - best.peak_bytes) / 2**10
@@ -302,11 +311,11 @@ def _solved(model, name, forbidden, problem=None, settings=(planning.LoopModes()
         for other in ranked[1:]:
             if (other.peak_bytes < baseline
                     and pricing.activation_peak(model, other.plan) < stock_taken):
-                return dataclasses.replace(other, notes=other.notes + (
-                    f"{why}; taken instead: the next of them below tf.gradients both ways "
-                    f"({other.peak_bytes / 2**20:.1f} MiB with the weights' gradients held)",))
-    return stock(model, name, (
-        f"{why}: the stock gradient, every activation kept, nothing recomputed",))
+                why = (f"{why}; taken instead: the next of them below tf.gradients both ways "
+                       f"({other.peak_bytes / 2**20:.1f} MiB with the weights' gradients held)")
+                return dataclasses.replace(other, notes=other.notes + (why,)), why
+    why = f"{why}: the stock gradient, every activation kept, nothing recomputed"
+    return stock(model, name, (why,)), why
 
 
 def _peaks_as_taken(model, plan) -> tuple:
