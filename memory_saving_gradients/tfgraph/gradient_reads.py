@@ -371,13 +371,10 @@ def _intermediate_peak(ops, results, writable=None, value_of=lambda t: None):
 
 def _buffers(ops, last_reader, writable=None, value_of=lambda t: None):
     """(first step, bytes, ids of the tensors sharing it) of each buffer `ops`
-    allocate: an aliasing op's output shares its input's buffer (a stand-in's
-    at no bytes), as does a product by one Grappler folds (`value_of`; silu's
-    `beta * features`: measured, EfficientNetB0's recomputed swish gradients
-    held two buffers beside their input and output, not three), and so does an
-    element-wise op's whose same-sized intermediate input (or `writable`) dies
-    there; `writable`'s buffer is
-    listed first, at no bytes."""
+    allocate: an output shares a buffer where `_shared_source` says so (a
+    stand-in's at no bytes), and so does an element-wise op's whose
+    same-sized intermediate input (or `writable`) dies there
+    (`_forwarded_input`); `writable`'s buffer is listed first, at no bytes."""
     buffer_of, buffers = {}, []
     if writable is not None:
         buffers.append((-1, 0, {id(writable)}))
@@ -385,9 +382,7 @@ def _buffers(ops, last_reader, writable=None, value_of=lambda t: None):
     outside = set()  # stand-ins' buffers: counted and freed elsewhere, never written over
     for step, op in enumerate(ops):
         shared = None
-        source = (op.inputs[0] if op.type in timeline.ALIASING_OP_TYPES and op.inputs
-                  else early_gradients.folds_to_identity(op.outputs[0], value_of)
-                  if op.outputs else None)
+        source = _shared_source(op, value_of)
         if source is not None:
             if id(source) not in buffer_of:
                 buffers.append((step, 0, {id(source)}))
@@ -408,6 +403,17 @@ def _buffers(ops, last_reader, writable=None, value_of=lambda t: None):
                 buffer_of[id(t)] = shared
             buffers[buffer_of[id(t)]][2].add(id(t))
     return buffers
+
+
+def _shared_source(op, value_of):
+    """The tensor whose buffer `op`'s output is, unwritten, or None: an
+    aliasing op's input, or the x of an `x * 1` Grappler folds into an
+    Identity (`value_of`; silu's `beta * features`: measured, EfficientNetB0's
+    recomputed swish gradients held two buffers beside their input and
+    output, not three)."""
+    if op.type in timeline.ALIASING_OP_TYPES and op.inputs:
+        return op.inputs[0]
+    return early_gradients.folds_to_identity(op.outputs[0], value_of) if op.outputs else None
 
 
 def _forwarded_input(op, buffer_of, outside, last_reader, step):
