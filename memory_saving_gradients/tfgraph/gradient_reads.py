@@ -390,7 +390,7 @@ def _buffers(ops, last_reader, writable=None, value_of=lambda t: None):
                 outside.add(len(buffers) - 1)
             shared = buffer_of[id(source)]
         else:
-            forwarded = _forwarded_input(op, buffer_of, outside, last_reader, step)
+            forwarded = _forwarded_input(op, buffers, buffer_of, outside, last_reader, step)
             if forwarded is not None:
                 shared = buffer_of[id(forwarded)]
         for t in op.outputs:
@@ -416,15 +416,18 @@ def _shared_source(op, value_of):
     return early_gradients.folds_to_identity(op.outputs[0], value_of) if op.outputs else None
 
 
-def _forwarded_input(op, buffer_of, outside, last_reader, step):
+def _forwarded_input(op, buffers, buffer_of, outside, last_reader, step):
     """The input whose buffer `op` writes its (one) output into, or None: a
     forwardable one (`op_kinds.forwardable_inputs`) made among the ops (its
-    buffer not one of `outside`) and read last by `op`."""
+    buffer not one of `outside`) whose buffer `op` reads last, through every
+    tensor sharing it (`buffers`, as `_buffers` builds them: an alias read
+    later keeps it)."""
     if len(op.outputs) != 1:
         return None
     return next((t for _, inputs in op_kinds.forwardable_inputs(op) for t in inputs
                  if id(t) in buffer_of and buffer_of[id(t)] not in outside
-                 and last_reader.get(id(t)) == step), None)
+                 and max(last_reader.get(shared, -1)
+                         for shared in buffers[buffer_of[id(t)]][2]) == step), None)
 
 
 def _zeros(tensor):
