@@ -165,14 +165,23 @@ def test_no_fold_is_assumed_with_grappler_switched_off():
     assert compat.folds_constants(function_graph)
 
 
+# The features' gradient alone, as a model's reading asks for it (the op is an
+# IdentityN of silu's result, its features and beta, a constant).
+FEATURES_ONLY = (True, True, False)
+
+
 @pytest.mark.parametrize("rows", [32, None])
 def test_a_swish_gradient_holds_no_buffer_for_its_product_by_one(rows):
     """In a tf.function silu's gradient computes `beta * features` (beta = 1),
-    which Grappler folds into an Identity, the rows known or not: the parts of
-    the gradient made early are its activation gradient alone, and its scratch
-    while it runs is one buffer (before session 50: the product's too, three
-    buffers of scratch; EfficientNetB0's recomputed swish gradients were
-    predicted 27 MiB above measured at 96 px and batch 32)."""
+    which Grappler folds into an Identity, the rows known or not: nothing of
+    the features' gradient is made early, and its scratch while it runs is
+    one buffer, its sigmoid, beside the result (without the fold: one early
+    buffer, two of scratch; EfficientNetB0's recomputed swish gradients were
+    predicted 27 MiB above measured at 96 px and batch 32 before session 50).
+    With beta's gradient too, `square(features)` is made early and held beside
+    the sigmoid (before session 51 the probe priced that at one buffer: the
+    closure's captured features counted as a buffer of its own, which a wrong
+    write over a shared buffer cancelled)."""
     found = {}
 
     @tf.function(input_signature=[tf.TensorSpec([rows, 1000])])
@@ -182,17 +191,20 @@ def test_a_swish_gradient_holds_no_buffer_for_its_product_by_one(rows):
 
     swish.get_concrete_function()
     buffer = 32 * 1000 * 4  # the planner counts unknown rows as 32
-    reads = gradient_reads.gradient_reads(found["op"], folds=True)
-    assert reads.early_bytes == buffer
+    reads = gradient_reads.gradient_reads(found["op"], FEATURES_ONLY, folds=True)
+    assert reads.early_bytes == 0
     assert reads.scratch_bytes == pytest.approx(buffer, rel=1e-3)
-    unfolded = gradient_reads.gradient_reads(found["op"], folds=False)
-    assert unfolded.early_bytes == 2 * buffer and unfolded.scratch_bytes == 3 * buffer
-    # Differentiated as a model's reading asks (the features' gradient), its result
-    # may be written over an intermediate, which the scratch counts as the result:
-    # not over the incoming gradient alone. With the rows unknown the closure's
-    # tensors are of unknown batch beside stand-ins of 32 rows, and before session
-    # 50 only the incoming gradient matched the result's shape.
-    assert gradient_reads.gradient_reads(found["op"], (True, True, False), True).forwards == ()
+    unfolded = gradient_reads.gradient_reads(found["op"], FEATURES_ONLY, folds=False)
+    assert unfolded.early_bytes == buffer
+    assert unfolded.scratch_bytes == pytest.approx(2 * buffer, rel=1e-3)
+    with_beta = gradient_reads.gradient_reads(found["op"], folds=True)
+    assert with_beta.early_bytes == buffer
+    assert with_beta.scratch_bytes == pytest.approx(2 * buffer, rel=1e-3)
+    # The result may be written over an intermediate, which the scratch counts as
+    # the result: not over the incoming gradient alone. With the rows unknown the
+    # closure's tensors were of unknown batch beside stand-ins of 32 rows, and
+    # before session 50 only the incoming gradient matched the result's shape.
+    assert reads.forwards == ()
 
 
 @pytest.mark.parametrize("rows", [32, None])
@@ -200,8 +212,8 @@ def test_a_custom_gradient_closure_is_sized_as_its_call_is(rows):
     """A tf.custom_gradient's closure holds the call's own tensors, which the
     probe captures: with the batch unknown and the features reshaped into
     4 rows an image, they are sized as the planner sizes the call (128 rows),
-    not at 32 rows from their static shape (before session 51: the early
-    product and the scratch were a quarter of a buffer, a review's find)."""
+    not at 32 rows from their static shape (before session 51: a quarter of
+    a buffer each, a review's find)."""
     found = {}
 
     @tf.function(input_signature=[tf.TensorSpec([rows, 4, 1000])])
@@ -211,7 +223,9 @@ def test_a_custom_gradient_closure_is_sized_as_its_call_is(rows):
 
     swish.get_concrete_function()
     buffer = 4 * 32 * 1000 * 4
-    reads = gradient_reads.gradient_reads(found["op"], folds=True)
-    assert reads.early_bytes == buffer
+    reads = gradient_reads.gradient_reads(found["op"], FEATURES_ONLY, folds=True)
     assert reads.scratch_bytes == pytest.approx(buffer, rel=1e-3)
-    assert gradient_reads.gradient_reads(found["op"], (True, True, False), True).forwards == ()
+    assert reads.forwards == ()
+    with_beta = gradient_reads.gradient_reads(found["op"], folds=True)
+    assert with_beta.early_bytes == buffer  # square(features)
+    assert with_beta.scratch_bytes == pytest.approx(2 * buffer, rel=1e-3)

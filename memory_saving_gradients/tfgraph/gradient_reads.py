@@ -374,13 +374,20 @@ def _buffers(ops, last_reader, writable=None, value_of=lambda t: None):
     allocate: an output shares a buffer where `_shared_source` says so (a
     stand-in's at no bytes), and so does an element-wise op's whose
     same-sized intermediate input (or `writable`) dies there
-    (`_forwarded_input`); `writable`'s buffer is listed first, at no bytes."""
+    (`_forwarded_input`); `writable`'s buffer is listed first, at no bytes.
+    A placeholder among `ops` is a custom gradient's capture of a forward
+    tensor: held elsewhere, at no bytes, never written over."""
     buffer_of, buffers = {}, []
     if writable is not None:
         buffers.append((-1, 0, {id(writable)}))
         buffer_of[id(writable)] = 0
     outside = set()  # stand-ins' buffers: counted and freed elsewhere, never written over
     for step, op in enumerate(ops):
+        if op.type == "Placeholder":  # a custom gradient's capture: a forward tensor
+            buffers.append((step, 0, {id(op.outputs[0])}))
+            buffer_of[id(op.outputs[0])] = len(buffers) - 1
+            outside.add(len(buffers) - 1)
+            continue
         shared = None
         source = _shared_source(op, value_of)
         if source is not None:
