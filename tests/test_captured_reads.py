@@ -229,3 +229,28 @@ def test_a_custom_gradient_closure_is_sized_as_its_call_is(rows):
     with_beta = gradient_reads.gradient_reads(found["op"], folds=True)
     assert with_beta.early_bytes == buffer  # square(features)
     assert with_beta.scratch_bytes == pytest.approx(2 * buffer, rel=1e-3)
+
+
+
+def test_a_closure_sized_into_a_conflict_is_probed_unsized():
+    """Where the sizes assumed for a closure's captured tensors conflict with
+    the call's own (known) shapes, the probe is built again with them left
+    unknown, as for any op, rather than taken to read everything (a review's
+    find: `captured` was lost and the gradient was called nonlinear)."""
+    found = {}
+
+    @tf.custom_gradient
+    def scaled(x):
+        # Rows of 10 statically unknown: the planner assumes 32 for them.
+        scale = tf.reshape(tf.boolean_mask(x, x > -1e9), [8, -1])
+        return x * scale, lambda dy: dy * scale
+
+    @tf.function(input_signature=[tf.TensorSpec([8, 10])])
+    def step(x):
+        found["op"] = scaled(x).op
+        return found["op"].outputs[0]
+
+    step.get_concrete_function()
+    reads = gradient_reads.gradient_reads(found["op"])
+    assert reads.linear and len(reads.captured) == 1, reads
+    assert reads.inputs == () and reads.outputs == (), reads

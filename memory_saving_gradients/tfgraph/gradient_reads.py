@@ -157,7 +157,9 @@ def _probed(op, wanted, folds):
         try:
             return _probe(op, grad_fn, wanted, folds, sized=True)
         except (ValueError, TypeError):  # unknown dimensions sized as they cannot be
-            if all(t.shape.is_fully_defined() for t in (*op.inputs, *op.outputs)):
+            # (a custom gradient's captures may have them where the op has none)
+            if not _overridden(op) and all(t.shape.is_fully_defined()
+                                           for t in (*op.inputs, *op.outputs)):
                 raise
             return _probe(op, grad_fn, wanted, folds, sized=False)
     except Exception as error:  # pylint: disable=broad-except  # any failure: assume the worst
