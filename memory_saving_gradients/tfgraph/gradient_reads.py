@@ -24,6 +24,7 @@ from memory_saving_gradients.tfgraph import compat
 from memory_saving_gradients.tfgraph import early_gradients
 from memory_saving_gradients.tfgraph import gradient_linearity
 from memory_saving_gradients.tfgraph import gradient_waits
+from memory_saving_gradients.tfgraph import identity_folding
 from memory_saving_gradients.tfgraph import loops
 from memory_saving_gradients.tfgraph import op_kinds
 from memory_saving_gradients.tfgraph import product_order
@@ -83,11 +84,12 @@ def gradient_reads(op: tf.Operation, wanted: tuple = None, folds: bool = None) -
     gradient cannot be built on a scratch graph (function calls, control
     flow, unusual attributes) are assumed to read every input and output,
     which never under-counts memory. `folds`: whether Grappler folds the
-    constants of `op`'s graph (`compat.folds_constants`, asked when None; a
-    reading of many ops asks once).
+    products by one of `op`'s graph into identities
+    (`identity_folding.folds_to_identities`, asked when None; a reading of
+    many ops asks once).
     """
     wanted = tuple(wanted) if wanted is not None else (True,) * len(op.inputs)
-    folds = compat.folds_constants(op.graph) if folds is None else folds
+    folds = identity_folding.folds_to_identities(op.graph) if folds is None else folds
     key = _key(op) + (wanted, folds)
     if key not in _READS:
         _READS[key] = _reads(op, wanted, folds)

@@ -25,6 +25,7 @@ from memory_saving_gradients.tfgraph import gradient_order
 from memory_saving_gradients.tfgraph import gradient_reads
 from memory_saving_gradients.tfgraph import graph_cache
 from memory_saving_gradients.tfgraph import graph_walks
+from memory_saving_gradients.tfgraph import identity_folding
 from memory_saving_gradients.tfgraph import loop_memory
 from memory_saving_gradients.tfgraph import loops
 from memory_saving_gradients.tfgraph import op_kinds
@@ -194,7 +195,7 @@ def build_model(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor]) -> Reading:
     region = frozenset(o.name for op in units for o in op.outputs)
     regions = (region - activations, region | x_names, data)
     # Asked once each: each ask reads the config (and the environment, the CPU affinity).
-    folds = compat.folds_constants(ys[0].graph)
+    folds = identity_folding.folds_to_identities(ys[0].graph)
     concurrent = workspace.several_inter_op_threads()
     gated = not any(op.type in op_kinds.V1_CONTROL_FLOW_OP_TYPES for op in units)
     backprop = {"grad_reads": {}, "workspace": {}, "weight_grad_bytes": {},
@@ -394,8 +395,8 @@ def _record_backprop(op, op_inputs, activations, regions, settings, backprop):
     gradients are weight gradients; names of the region's tensors and the xs,
     what backprop takes gradients of: other inputs' gradient branches are pruned;
     names of the graph's per-example tensors, `DataTensors`).
-    `settings`: whether Grappler folds the graph's constants
-    (`compat.folds_constants`), `Reading.gated`, and whether the executor runs
+    `settings`: whether Grappler folds the graph's products by one into
+    identities (`identity_folding.folds_to_identities`), `Reading.gated`, and whether the executor runs
     independent ops at once (`workspace.several_inter_op_threads`). Returns whether the
     gradient is linear in the incoming gradients (`gradient_linearity`).
     """
