@@ -101,11 +101,11 @@ def builds_function(graph) -> bool:
 def folds_constants(graph) -> bool:
     """Whether Grappler's constant folding simplifies `graph`'s arithmetic
     (`x * 1` becomes x, or a copy of it: `identity_folding`) when it runs: for
-    a tf.function's graph with the option on. Measured on a chain of 16 `tf.nn.silu`: the stock step's peak
-    is 33 MB in a tf.function, 48 MB with the option off and 48 MB when the
-    same graph runs in a tf.compat.v1.Session; with Grappler switched off as a
-    whole (`disable_meta_optimizer`) 48 MB too, which a review found predicted
-    at 34."""
+    a tf.function's graph with the option on. Measured on a chain of 16
+    `tf.nn.silu`: the stock step's peak is 33 MB in a tf.function, 48 MB with
+    the option off and 48 MB when the same graph runs in a tf.compat.v1.Session;
+    with Grappler switched off as a whole (`disable_meta_optimizer`) 48 MB too,
+    which a review found predicted at 34."""
     options = tf.config.optimizer.get_experimental_options()
     return (builds_function(graph) and options.get("constant_folding", True)
             and not options.get("disable_meta_optimizer", False))

@@ -396,9 +396,10 @@ def _record_backprop(op, op_inputs, activations, regions, settings, backprop):
     what backprop takes gradients of: other inputs' gradient branches are pruned;
     names of the graph's per-example tensors, `DataTensors`).
     `settings`: whether Grappler folds the graph's products by one into
-    identities (`identity_folding.folds_to_identities`), `Reading.gated`, and whether the executor runs
-    independent ops at once (`workspace.several_inter_op_threads`). Returns whether the
-    gradient is linear in the incoming gradients (`gradient_linearity`).
+    identities (`identity_folding.folds_to_identities`), `Reading.gated`, and
+    whether the executor runs independent ops at once
+    (`workspace.several_inter_op_threads`). Returns whether the gradient is
+    linear in the incoming gradients (`gradient_linearity`).
     """
     weights, differentiated, data = regions
     folds, gated, concurrent = settings
