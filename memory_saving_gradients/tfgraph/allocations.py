@@ -7,8 +7,11 @@ peak, without touching the allocator's process-wide statistics.
 
 from __future__ import annotations
 
+import contextlib
+
 import tensorflow as tf
 
+from memory_saving_gradients.tfgraph import compat
 from memory_saving_gradients.tfgraph import profiled_allocations
 from memory_saving_gradients.tfgraph import replicas
 
@@ -37,12 +40,25 @@ def peak_bytes(metadata, device: str | None = None) -> int:
     return peak
 
 
+@contextlib.contextmanager
+def probe_graph(device: str):
+    """A new graph, made the default, its ops on `device` and under a name
+    scope no other graph of the process has: the profiler reports every
+    thread's allocations, and `requested_run_peak` counts only those of the
+    run's own ops by their names (two replicas tracing at once probe the same
+    kernels, which a graph's default names would not tell apart)."""
+    graph = tf.Graph()
+    with graph.as_default(), tf.device(device), tf.name_scope(f"probe{compat.unique_id()}"):
+        yield graph
+
+
 def requested_run_peak(sess, fetches, feed_dict=None) -> int:
     """Peak bytes the ops of one `sess.run` request (run twice: the first may set
-    up caches). The bytes requested, from the profiler, where it runs: under BFC
-    the allocation records hold chunks, up to twice the request, and which one a
-    request gets depends on what the process allocated before (a probe's 24.5
-    MiB convolution scratch was recorded as 32 MiB). Else the records' peak."""
+    up caches), not what other threads allocate meanwhile. The bytes requested,
+    from the profiler, where it runs: under BFC the allocation records hold
+    chunks, up to twice the request, and which one a request gets depends on
+    what the process allocated before (a probe's 24.5 MiB convolution scratch
+    was recorded as 32 MiB). Else the records' peak."""
     sess.run(fetches, feed_dict=feed_dict)
     requested = profiled_allocations.session_requested_peak(sess, fetches, feed_dict)
     if requested is not None:

@@ -100,16 +100,20 @@ def live_bytes(events, chunks: bool = False, left_out=None):
         yield total, live
 
 
-def requested_peak(events, ops_only: bool = False) -> int:
+def requested_peak(events, ops=None) -> int:
     """Peak of the bytes requested over `events` (BFC's chunk excess left out),
     from the start of the call (`live_bytes`).
 
-    ops_only: count only buffers an op allocated (not a Session's feeds,
-    which the client converts before the run); frees match by address.
+    ops: names of the ops whose buffers count, or None for all. Others are
+    left out: a Session's feeds (converted by the client before the run, no
+    op), and whatever other threads of the process allocate meanwhile (a
+    `tf.data` pipeline filling its buffers, another replica's probe: 4-8 MB
+    counted as a 0.5 MB op's while another thread ran eager ops). Frees match
+    by address.
     """
-    def feed(index):
-        return not events[index][3]
-    totals = live_bytes(events, left_out=feed if ops_only else None)
+    def foreign(index):
+        return events[index][3] not in ops
+    totals = live_bytes(events, left_out=None if ops is None else foreign)
     return max([0, *(total for total, _ in totals)])
 
 
@@ -124,4 +128,4 @@ def session_requested_peak(sess, fetches, feed_dict=None):
         return None
     if not any(op for _, size, _, op, _, _ in events if size > 0):
         return None
-    return requested_peak(events, ops_only=True)
+    return requested_peak(events, {op.name for op in sess.graph.get_operations()})

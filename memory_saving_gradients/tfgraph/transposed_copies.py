@@ -69,8 +69,7 @@ def _measured(shapes, strides, padding, dtype):
     up caches); the second run's peak of bytes requested above its output is
     its scratch."""
     out_backprop_shape, filter_shape, output_shape = shapes
-    graph = tf.Graph()
-    with graph.as_default(), tf.device("CPU:0"):
+    with allocations.probe_graph("CPU:0") as graph:
         out_backprop = tf.compat.v1.placeholder(dtype, out_backprop_shape)
         w = tf.compat.v1.placeholder(dtype, filter_shape)
         stand_in = tf.nn.conv2d_transpose(out_backprop, w, output_shape, list(strides),

@@ -126,8 +126,7 @@ def stock_kernels_take_scratch() -> bool:
     """Whether this host's stock convolution gradients take scratch at all:
     a 3x3 convolution of 48 channels on 8 16x16 images, whose CPU kernels
     take about 32 MiB beside tensors of 0.4 MiB, and oneDNN's none."""
-    graph = tf.Graph()
-    with graph.as_default(), tf.device(_DEVICE):
+    with allocations.probe_graph(_DEVICE):
         image = tf.compat.v1.placeholder(tf.float32, [8, 16, 16, 48])
         w = tf.compat.v1.placeholder(tf.float32, [3, 3, 48, 48])
         probe = tf.nn.conv2d(image, w, 1, "SAME").op
@@ -188,8 +187,7 @@ def _run_ops(specs, attrs, shapes, dtype):
     runs twice (the first run may set up caches once) and the second run's
     peak of bytes requested above its output is its scratch.
     """
-    graph = tf.Graph()
-    with graph.as_default(), tf.device(_DEVICE):
+    with allocations.probe_graph(_DEVICE) as graph:
         x = tf.compat.v1.placeholder(dtype, shapes[0])
         y, dy = (tf.compat.v1.placeholder(dtype, shapes[-1]) for _ in range(2))
         feed = {x: np.zeros(shapes[0], dtype), y: np.zeros(shapes[-1], dtype),
