@@ -69,3 +69,13 @@ def test_keras_fit_reports_the_whole_peak_beside_the_activations():
     ours = {"peak_mib": 55.0, "grad_mib": 40.0, "step_s": 2.5}
     assert keras_fit.ratios(ours, stock) == pytest.approx(
         {"peak_ratio": 0.55, "activation_ratio": 0.25, "time_ratio": 1.25})
+
+
+def test_plan_objectives_prices_fit_candidates_both_ways():
+    """The benchmark traces a fit step and prices the planner's candidates with
+    the weight gradients held and as taken; on MobileNetV3Small they save."""
+    from benchmarks import plan_objectives
+    rows, (held, taken) = plan_objectives.candidates("MobileNetV3Small")
+    assert len(rows) > 1
+    assert all(flops > 0 for _, _, flops in rows)
+    assert min(r[0] for r in rows) < held and min(r[1] for r in rows) < taken
