@@ -105,16 +105,29 @@ def requested_peak(events, ops=None) -> int:
     from the start of the call (`live_bytes`).
 
     ops: names of the ops whose buffers count, or None for all. Others are
-    left out: a Session's feeds (converted by the client before the run, no
-    op), and whatever other threads of the process allocate meanwhile (a
-    `tf.data` pipeline filling its buffers, another replica's probe: 4-8 MB
-    counted as a 0.5 MB op's while another thread ran eager ops). Frees match
-    by address.
+    left out, and so are frees of buffers none of them made: a Session's
+    feeds (converted by the client before the run, no op), and whatever
+    other threads of the process allocate and free meanwhile (a `tf.data`
+    pipeline filling its buffers, another replica's probe: 4-8 MB counted as
+    a 0.5 MB op's while another thread ran eager ops).
     """
-    def foreign(index):
-        return events[index][3] not in ops
-    totals = live_bytes(events, left_out=None if ops is None else foreign)
-    return max([0, *(total for total, _ in totals)])
+    if ops is not None:
+        events = _made_by(events, ops)
+    return max([0, *(total for total, _ in live_bytes(events))])
+
+
+def _made_by(events, ops) -> list:
+    """The allocations of `ops` among `events` and their frees (by address, in order)."""
+    own, kept = set(), []
+    for event in events:
+        size, addr, op = event[1], event[2], event[3]
+        if size > 0 and op in ops:
+            own.add(addr)
+            kept.append(event)
+        elif size <= 0 and addr in own:
+            own.discard(addr)
+            kept.append(event)
+    return kept
 
 
 def session_requested_peak(sess, fetches, feed_dict=None):
