@@ -64,10 +64,11 @@ def test_requested_peak_leaves_out_feeds_and_other_ops_when_asked():
     # buffer made before the call; a feed (no op), an op's buffer, another
     # thread's op's buffer.
     events = [(0, -2048, 9, "", "", 2048), (1, 512, 1, "", "", 300),
-              (2, 1024, 2, "conv", "", 1000), (3, 4096, 3, "Fill", "", 4000),
+              (2, 1024, 2, "probe7/conv", "", 1000), (3, 4096, 3, "Fill", "", 4000),
               (4, -4096, 3, "", "", 0), (5, -1024, 2, "", "", 0), (6, -512, 1, "", "", 0)]
     assert profiled_allocations.requested_peak(events) == 5300 - 2048
-    assert profiled_allocations.requested_peak(events, {"conv"}) == 1000
+    assert profiled_allocations.requested_peak(events, ops_only=True) == 5000 - 2048
+    assert profiled_allocations.requested_peak(events, scope="probe7") == 1000
 
 
 def test_session_peak_is_none_while_another_profiler_runs(tmp_path):
@@ -88,7 +89,7 @@ def test_a_probe_counts_its_own_ops_only_while_another_thread_allocates():
     read 4-8 MB in 4 of 5 runs before session 51; Keras's `fit` traces its step while its data
     pipeline allocates, and replicas of a tf.distribute strategy trace at
     once)."""
-    with allocations.probe_graph("CPU:0") as graph:
+    with allocations.probe_graph("CPU:0") as (graph, scope):
         x = tf.compat.v1.placeholder(tf.float32, [8, 32, 32, 16])
         out = tf.concat([x, x], 0)  # never written over the feed
     feed = {x: np.zeros([8, 32, 32, 16], np.float32)}
@@ -100,11 +101,12 @@ def test_a_probe_counts_its_own_ops_only_while_another_thread_allocates():
             stop.wait(0.0005)
 
     with tf.compat.v1.Session(graph=graph) as sess:
-        alone = allocations.requested_run_peak(sess, out.op, feed)
+        alone = allocations.requested_run_peak(sess, out.op, feed, scope)
         other = threading.Thread(target=allocate_elsewhere)
         other.start()
         try:
-            beside = [allocations.requested_run_peak(sess, out.op, feed) for _ in range(5)]
+            beside = [allocations.requested_run_peak(sess, out.op, feed, scope)
+                      for _ in range(5)]
         finally:
             stop.set()
             other.join()

@@ -42,25 +42,27 @@ def peak_bytes(metadata, device: str | None = None) -> int:
 
 @contextlib.contextmanager
 def probe_graph(device: str):
-    """A new graph, made the default, its ops on `device` and under a name
-    scope no other graph of the process has: the profiler reports every
-    thread's allocations, and `requested_run_peak` counts only those of the
-    run's own ops by their names (two replicas tracing at once probe the same
-    kernels, which a graph's default names would not tell apart)."""
-    graph = tf.Graph()
-    with graph.as_default(), tf.device(device), tf.name_scope(f"probe{compat.unique_id()}"):
-        yield graph
+    """(a new graph, made the default, its ops on `device` and under a name
+    scope no other graph of the process has; that scope): the profiler
+    reports every thread's allocations, and `requested_run_peak` given the
+    scope counts only those of the probe's own ops (two replicas tracing at
+    once probe the same kernels, which a graph's default names would not tell
+    apart)."""
+    graph, scope = tf.Graph(), f"probe{compat.unique_id()}"
+    with graph.as_default(), tf.device(device), tf.name_scope(scope):
+        yield graph, scope
 
 
-def requested_run_peak(sess, fetches, feed_dict=None) -> int:
+def requested_run_peak(sess, fetches, feed_dict=None, scope=None) -> int:
     """Peak bytes the ops of one `sess.run` request (run twice: the first may set
-    up caches), not what other threads allocate meanwhile. The bytes requested,
-    from the profiler, where it runs: under BFC the allocation records hold
-    chunks, up to twice the request, and which one a request gets depends on
-    what the process allocated before (a probe's 24.5 MiB convolution scratch
-    was recorded as 32 MiB). Else the records' peak."""
+    up caches); with `scope` (`probe_graph`'s), only those of its ops, not what
+    other threads allocate meanwhile. The bytes requested, from the profiler,
+    where it runs: under BFC the allocation records hold chunks, up to twice
+    the request, and which one a request gets depends on what the process
+    allocated before (a probe's 24.5 MiB convolution scratch was recorded as
+    32 MiB). Else the records' peak."""
     sess.run(fetches, feed_dict=feed_dict)
-    requested = profiled_allocations.session_requested_peak(sess, fetches, feed_dict)
+    requested = profiled_allocations.session_requested_peak(sess, fetches, feed_dict, scope)
     if requested is not None:
         return requested
     return peak_bytes(traced_run(sess, fetches, feed_dict)[1])

@@ -100,28 +100,33 @@ def live_bytes(events, chunks: bool = False, left_out=None):
         yield total, live
 
 
-def requested_peak(events, ops=None) -> int:
+def requested_peak(events, ops_only: bool = False, scope: str = None) -> int:
     """Peak of the bytes requested over `events` (BFC's chunk excess left out),
     from the start of the call (`live_bytes`).
 
-    ops: names of the ops whose buffers count, or None for all. Others are
-    left out, and so are frees of buffers none of them made: a Session's
-    feeds (converted by the client before the run, no op), and whatever
-    other threads of the process allocate and free meanwhile (a `tf.data`
-    pipeline filling its buffers, another replica's probe: 4-8 MB counted as
-    a 0.5 MB op's while another thread ran eager ops).
+    ops_only: count only buffers an op allocated (not a Session's feeds,
+    which the client converts before the run); frees match by address.
+    scope: count only buffers of ops named under it (a probe's own graph,
+    `allocations.probe_graph`), and only their frees: the profiler reports
+    every thread's allocations, and a 0.5 MB probe read 4-8 MB while another
+    thread made eager tensors (Keras's `fit` traces its step while its data
+    pipeline allocates; a tf.distribute strategy's replicas trace at once).
     """
-    if ops is not None:
-        events = _made_by(events, ops)
-    return max([0, *(total for total, _ in live_bytes(events))])
+    if scope is not None:
+        return max([0, *(total for total, _ in live_bytes(_made_in(events, scope)))])
+    def feed(index):
+        return not events[index][3]
+    totals = live_bytes(events, left_out=feed if ops_only else None)
+    return max([0, *(total for total, _ in totals)])
 
 
-def _made_by(events, ops) -> list:
-    """The allocations of `ops` among `events` and their frees (by address, in order)."""
+def _made_in(events, scope) -> list:
+    """The allocations among `events` of ops under `scope`, and their frees (by
+    address, in order). Ops Grappler makes from them keep the scope in their names."""
     own, kept = set(), []
     for event in events:
         size, addr, op = event[1], event[2], event[3]
-        if size > 0 and op in ops:
+        if size > 0 and f"{scope}/" in op:
             own.add(addr)
             kept.append(event)
         elif size <= 0 and addr in own:
@@ -130,8 +135,9 @@ def _made_by(events, ops) -> list:
     return kept
 
 
-def session_requested_peak(sess, fetches, feed_dict=None):
-    """Peak of the bytes the ops of one `sess.run` request, or None when the
+def session_requested_peak(sess, fetches, feed_dict=None, scope=None):
+    """Peak of the bytes the ops of one `sess.run` request (only those under
+    `scope`, if given: `requested_peak`), or None when the
     profiler cannot run (another session is profiling) or reports no
     allocations (an allocator that emits no events: its records are exact)."""
     try:
@@ -141,4 +147,4 @@ def session_requested_peak(sess, fetches, feed_dict=None):
         return None
     if not any(op for _, size, _, op, _, _ in events if size > 0):
         return None
-    return requested_peak(events, {op.name for op in sess.graph.get_operations()})
+    return requested_peak(events, ops_only=True, scope=scope)

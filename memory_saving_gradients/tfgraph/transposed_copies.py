@@ -69,7 +69,7 @@ def _measured(shapes, strides, padding, dtype):
     up caches); the second run's peak of bytes requested above its output is
     its scratch."""
     out_backprop_shape, filter_shape, output_shape = shapes
-    with allocations.probe_graph("CPU:0") as graph:
+    with allocations.probe_graph("CPU:0") as (graph, scope):
         out_backprop = tf.compat.v1.placeholder(dtype, out_backprop_shape)
         w = tf.compat.v1.placeholder(dtype, filter_shape)
         stand_in = tf.nn.conv2d_transpose(out_backprop, w, output_shape, list(strides),
@@ -81,7 +81,7 @@ def _measured(shapes, strides, padding, dtype):
     output_bytes = int(np.prod(output_shape)) * tf.as_dtype(dtype).size
     try:
         with tf.compat.v1.Session(graph=graph) as session:
-            peak = allocations.requested_run_peak(session, copy.op, feed)
+            peak = allocations.requested_run_peak(session, copy.op, feed, scope)
     except Exception as error:  # pylint: disable=broad-except  # then the copy stays stock
         logger.debug("scratch-free transposed copy failed to run: %s", error)
         return None

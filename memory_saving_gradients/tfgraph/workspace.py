@@ -126,7 +126,8 @@ def stock_kernels_take_scratch() -> bool:
     """Whether this host's stock convolution gradients take scratch at all:
     a 3x3 convolution of 48 channels on 8 16x16 images, whose CPU kernels
     take about 32 MiB beside tensors of 0.4 MiB, and oneDNN's none."""
-    with allocations.probe_graph(_DEVICE):
+    graph = tf.Graph()
+    with graph.as_default(), tf.device(_DEVICE):
         image = tf.compat.v1.placeholder(tf.float32, [8, 16, 16, 48])
         w = tf.compat.v1.placeholder(tf.float32, [3, 3, 48, 48])
         probe = tf.nn.conv2d(image, w, 1, "SAME").op
@@ -187,7 +188,7 @@ def _run_ops(specs, attrs, shapes, dtype):
     runs twice (the first run may set up caches once) and the second run's
     peak of bytes requested above its output is its scratch.
     """
-    with allocations.probe_graph(_DEVICE) as graph:
+    with allocations.probe_graph(_DEVICE) as (graph, scope):
         x = tf.compat.v1.placeholder(dtype, shapes[0])
         y, dy = (tf.compat.v1.placeholder(dtype, shapes[-1]) for _ in range(2))
         feed = {x: np.zeros(shapes[0], dtype), y: np.zeros(shapes[-1], dtype),
@@ -201,7 +202,7 @@ def _run_ops(specs, attrs, shapes, dtype):
                            **{name: values[source] for name, source in kernel.args})
                      for kernel in specs]
     with tf.compat.v1.Session(graph=graph) as sess:
-        return tuple(int(max(allocations.requested_run_peak(sess, out.op, feed)
+        return tuple(int(max(allocations.requested_run_peak(sess, out.op, feed, scope)
                              - out.shape.num_elements() * out.dtype.size, 0))
                      for out in gradients)
 
