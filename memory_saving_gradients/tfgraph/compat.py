@@ -266,16 +266,37 @@ def _add_called_functions(definition, owner: tf.Graph, graph: tf.Graph) -> None:
     todo = [definition]
     while todo:
         for node in todo.pop().node_def:
-            for attr in node.attr.values():
-                names = [attr.func.name] if attr.HasField("func") else [
-                    f.name for f in attr.list.func]
-                for name in names:
-                    if not name or graph._is_function(name):  # pylint: disable=protected-access
-                        continue
-                    found, _ = _registered_function(owner, name)
-                    if found is not None:
-                        graph._add_function(found)  # pylint: disable=protected-access
-                        todo.append(found.cached_definition)
+            for name in called_function_names(node):
+                if graph._is_function(name):  # pylint: disable=protected-access
+                    continue
+                found, _ = _registered_function(owner, name)
+                if found is not None:
+                    graph._add_function(found)  # pylint: disable=protected-access
+                    todo.append(found.cached_definition)
+
+
+def called_function_names(node_def) -> list:
+    """Names of the functions a NodeDef's attributes name: a call's function,
+    a cond's branches, a loop's cond and body."""
+    return [name for attr in node_def.attr.values()
+            for name in ([attr.func.name] if attr.HasField("func")
+                         else [f.name for f in attr.list.func]) if name]
+
+
+def function_definition(graph: tf.Graph, name: str):
+    """The FunctionDef of the function `name` registered in `graph` or a graph
+    it is built in; None if none has it."""
+    function, _ = _registered_function(graph, name)
+    return None if function is None else function.cached_definition
+
+
+def outermost_function_graph(graph: tf.Graph) -> tf.Graph:
+    """The function graph `graph` is built in at the outermost (`graph` itself
+    if it is not built in one): a tf.function's graph for a cond branch or a
+    loop body of it."""
+    while builds_function(getattr(graph, "outer_graph", None)):
+        graph = graph.outer_graph
+    return graph
 
 
 def compiled_call(op: tf.Operation) -> bool:
