@@ -69,6 +69,9 @@ def test_requested_peak_leaves_out_feeds_and_other_ops_when_asked():
     assert profiled_allocations.requested_peak(events) == 5300 - 2048
     assert profiled_allocations.requested_peak(events, ops_only=True) == 5000 - 2048
     assert profiled_allocations.requested_peak(events, scope="probe7") == 1000
+    # What Grappler makes from a probe's op keeps its scope; a longer name is another's.
+    made = [(7, 64, 4, "ConstantFolding/probe7/c", "", 60), (8, 64, 5, "myprobe7/c", "", 60)]
+    assert profiled_allocations.requested_peak(events[:3] + made, scope="probe7") == 1060
 
 
 def test_session_peak_is_none_while_another_profiler_runs(tmp_path):

@@ -126,7 +126,7 @@ def _made_in(events, scope) -> list:
     own, kept = set(), []
     for event in events:
         size, addr, op = event[1], event[2], event[3]
-        if size > 0 and f"{scope}/" in op:
+        if size > 0 and _under(op, scope):
             own.add(addr)
             kept.append(event)
         elif size <= 0 and addr in own:
@@ -135,16 +135,23 @@ def _made_in(events, scope) -> list:
     return kept
 
 
+def _under(op: str, scope: str) -> bool:
+    """Whether op name `op` has `scope` as one of its name segments' path
+    (Grappler prefixes what it makes from an op: "ConstantFolding/probe3/x")."""
+    return op.startswith(f"{scope}/") or f"/{scope}/" in op
+
+
 def session_requested_peak(sess, fetches, feed_dict=None, scope=None):
     """Peak of the bytes the ops of one `sess.run` request (only those under
-    `scope`, if given: `requested_peak`), or None when the
-    profiler cannot run (another session is profiling) or reports no
-    allocations (an allocator that emits no events: its records are exact)."""
+    `scope`, if given: `requested_peak`), or None when the profiler cannot run
+    (another session is profiling) or reports no allocations of them (an
+    allocator that emits no events: its records, the run's own, are exact)."""
     try:
         events = allocator_events(lambda: sess.run(fetches, feed_dict=feed_dict))
     except Exception as error:  # pylint: disable=broad-except  # the caller's records then
         logger.debug("profiled run failed: %s", error)
         return None
-    if not any(op for _, size, _, op, _, _ in events if size > 0):
+    if not any(op and (scope is None or _under(op, scope))
+               for _, size, _, op, _, _ in events if size > 0):
         return None
     return requested_peak(events, ops_only=True, scope=scope)
