@@ -386,19 +386,21 @@ def _buffers(ops, last_reader, writable=None, value_of=lambda t: None):
         buffers.append((-1, 0, {id(writable)}))
         buffer_of[id(writable)] = 0
     outside = set()  # stand-ins' buffers: counted and freed elsewhere, never written over
+
+    def held_elsewhere(tensor, step):
+        buffers.append((step, 0, {id(tensor)}))
+        buffer_of[id(tensor)] = len(buffers) - 1
+        outside.add(len(buffers) - 1)
+
     for step, op in enumerate(ops):
         if op.type == "Placeholder":  # a custom gradient's capture: a forward tensor
-            buffers.append((step, 0, {id(op.outputs[0])}))
-            buffer_of[id(op.outputs[0])] = len(buffers) - 1
-            outside.add(len(buffers) - 1)
+            held_elsewhere(op.outputs[0], step)
             continue
         shared = None
         source = _shared_source(op, value_of)
         if source is not None:
             if id(source) not in buffer_of:
-                buffers.append((step, 0, {id(source)}))
-                buffer_of[id(source)] = len(buffers) - 1
-                outside.add(len(buffers) - 1)
+                held_elsewhere(source, step)
             shared = buffer_of[id(source)]
         else:
             forwarded = _forwarded_input(op, buffers, buffer_of, outside, last_reader, step)
