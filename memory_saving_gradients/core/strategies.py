@@ -162,7 +162,7 @@ def least_peak(model: GraphModel, problem=None) -> Result:
     `problem` is `cut_problem(model)`, built here when not given (callers that
     go on to `fitting_plan` pass theirs so it is built once).
     """
-    return _solved(model, "memory", None, problem, loop_plans.peak_settings(model))
+    return _chosen(model, "memory", low_peak_candidates(model, problem))[0]
 
 
 def fitting_plan(model: GraphModel, problem, max_bytes, name, peak=None) -> Optional[Result]:
@@ -253,17 +253,12 @@ def speed(model: GraphModel) -> Result:
     problem = cuts.from_model(model, MAX_CUTS, EXPENSIVE_OP_TYPES.__contains__)
     expensive = np.array([tensors[model.op_outputs[op][0]].op_type in EXPENSIVE_OP_TYPES
                           for op in problem.ops], bool)
-    return _solved(model, "speed", expensive, problem)
+    return _chosen(model, "speed", _candidates(model, "speed", expensive, problem,
+                                               (planning.LoopModes(),)))[0]
 
 
 def cut_problem(model: GraphModel):
     return cuts.from_model(model, max_cuts=MAX_CUTS)
-
-
-def _solved(model, name, forbidden, problem=None, settings=(planning.LoopModes(),)):
-    """The least predicted peak among the cut model's best plans under each of
-    the loop `settings` (ties: least recompute; `_chosen`)."""
-    return _chosen(model, name, _candidates(model, name, forbidden, problem, settings))[0]
 
 
 def _chosen(model, name, priced) -> tuple:
@@ -320,7 +315,7 @@ def _chosen(model, name, priced) -> tuple:
 
 def _peaks_as_taken(model, plan) -> tuple:
     """(`plan`'s, tf.gradients') predicted peaks where an optimizer in the same
-    graph takes each weight gradient as it is made (`_solved`)."""
+    graph takes each weight gradient as it is made (`_chosen`)."""
     return pricing.activation_peak(model, plan), pricing.activation_peak(model, None)
 
 
