@@ -74,7 +74,9 @@ def build(name):
 
 def measure(model_name, checkpoints, steps, data):
     """Runs in the child process: fit `steps` batches of arrays or of a
-    dataset (`data`); returns one result row."""
+    dataset (`data`), stock (`checkpoints` None), with `gradients` in the train
+    step ("direct") or with the Checkpointing callback (any other `checkpoints`:
+    a mode or a strategy callable); returns one result row."""
     import memory_saving_gradients as msg
     msg.enable_cpu_allocator_stats()
     import numpy as np
@@ -90,7 +92,7 @@ def measure(model_name, checkpoints, steps, data):
         object.__setattr__(model, "train_step", _direct_train_step(model))
     meter = keras_models.step_meter()
     callbacks = [meter] + ([msg_keras.Checkpointing(checkpoints)]
-                           if checkpoints in ("memory", "speed") else [])
+                           if checkpoints not in (None, "direct") else [])
     xs, ys = np.concatenate([x] * steps), np.concatenate([y] * steps)
     if data == "dataset":
         import tensorflow as tf

@@ -12,9 +12,24 @@ is run to trace it.
 
 Models as in `benchmarks.keras_fit` (its `build`: 32 images of 96 px, or its
 encoder). Prints one table per model; MiB, activation memory.
+
+With `--measure`, each ranking's first plan is also run under `fit` (the
+Checkpointing callback with a strategy callable that takes it), beside stock
+`fit`, each in a fresh process (`keras_fit.measure`: the allocator's peak over
+the steps after the first, the median step time), with TensorFlow's default
+threading and with one inter-op thread:
+
+    python -m benchmarks.plan_objectives --models EfficientNetV2B0,bert --measure
 """
 
 import argparse
+import json
+import os
+import subprocess
+import sys
+
+# How each ranking orders the candidates: its predicted peak, then recompute.
+RANKINGS = ("held", "as taken")
 
 
 def candidates(model_name):
@@ -42,10 +57,69 @@ def candidates(model_name):
     return rows, (baseline, pricing.activation_peak(graph_model, None))
 
 
+def first_of(ranking):
+    """A strategy callable for `Checkpointing`: the low-peak candidate that
+    `ranking` (one of `RANKINGS`) takes first, ties to the least recompute."""
+    from memory_saving_gradients.core import pricing
+    from memory_saving_gradients.core import strategies
+
+    def strategy(graph_model):
+        def peak(result):
+            return (result.peak_bytes if ranking == "held"
+                    else pricing.activation_peak(graph_model, result.plan))
+        return min(strategies.low_peak_candidates(graph_model),
+                   key=lambda r: (peak(r), r.recompute_flops))
+    return strategy
+
+
+def measured(model_name, ranking, threads, steps):
+    """In a fresh process: `keras_fit.measure`'s row for stock `fit` (`ranking`
+    "stock") or the first plan of `ranking`, with `threads` inter-op threads
+    (0: TensorFlow's default)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+         os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-m", "benchmarks.plan_objectives", "--child",
+                          model_name, ranking, str(threads), "--steps", str(steps)], env=env,
+                         capture_output=True, text=True, timeout=1800, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _child(model_name, ranking, threads, steps):
+    import tensorflow as tf
+    from benchmarks import keras_fit
+    if threads:
+        tf.config.threading.set_inter_op_parallelism_threads(threads)
+    strategy = None if ranking == "stock" else first_of(ranking)
+    print(json.dumps(keras_fit.measure(model_name, strategy, steps, "arrays")))
+
+
+def measure_rankings(model_name, steps):
+    """Prints stock's and each ranking's first plan's measured fit step, with
+    each threading; ratios against stock's in the same threading."""
+    from benchmarks import keras_fit
+    for threads in (0, 1):
+        stock = measured(model_name, "stock", threads, steps)
+        for ranking in RANKINGS:
+            row = measured(model_name, ranking, threads, steps)
+            r = keras_fit.ratios(row, stock)
+            print(f"  measured, {'one inter-op thread' if threads else 'default threading'}, "
+                  f"{ranking} first: peak {row['peak_mib']:.1f} MiB (stock "
+                  f"{stock['peak_mib']:.1f}) x{r['peak_ratio']:.2f}, activations "
+                  f"x{r['activation_ratio']:.2f}, step x{r['time_ratio']:.2f}", flush=True)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="EfficientNetV2B0,bert,cnn")
+    parser.add_argument("--measure", action="store_true",
+                        help="also run each ranking's first plan under fit, beside stock fit")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.child:
+        _child(args.child[0], args.child[1], int(args.child[2]), args.steps)
+        return
     for name in args.models.split(","):
         rows, (held, taken) = candidates(name)
         first_held = min(rows, key=lambda r: (r[0], r[2]))
@@ -56,6 +130,8 @@ def main(argv=None):
             marks = (" <- held first" if row == first_held else "") + (
                 " <- as taken first" if row == first_taken else "")
             print(f"  {row[0] / 2**20:8.1f}  {row[1] / 2**20:12.1f}  {row[2]:15.3g}{marks}")
+        if args.measure:
+            measure_rankings(name, args.steps)
 
 
 if __name__ == "__main__":
