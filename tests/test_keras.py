@@ -16,6 +16,8 @@ import tensorflow as tf
 
 import memory_saving_gradients as msg
 import memory_saving_gradients.keras as msg_keras
+from memory_saving_gradients.core import pricing
+from memory_saving_gradients.core import strategies
 from memory_saving_gradients.integrations import keras as keras_hook
 from examples.keras_models import bert_like, mobilenet
 
@@ -27,15 +29,17 @@ FEATURES = RNG.randn(24, 16).astype("float32")
 
 
 def fit_vs_stock(build, x, y, caplog, compile_kwargs=None, fit_kwargs=None, policy=None,
-                 optimizer=lambda: keras.optimizers.SGD(0.05, momentum=0.9)):
-    """Fits `build()` with and without Checkpointing; asserts equal weights. Returns the ours model.
+                 optimizer=lambda: keras.optimizers.SGD(0.05, momentum=0.9),
+                 checkpoints="memory"):
+    """Fits `build()` with and without Checkpointing(`checkpoints`); asserts
+    equal weights. Returns the ours model.
 
     SGD by default: Adam divides by the gradient's running size, which turns
     float rounding (our sums run in another order) in near-zero gradients into
     differences of a whole learning rate.
     """
     weights, models = [], []
-    for callbacks in ([], [msg_keras.Checkpointing("memory")]):
+    for callbacks in ([], [msg_keras.Checkpointing(checkpoints)]):
         if policy:
             keras.mixed_precision.set_global_policy(policy)
         try:
@@ -91,6 +95,24 @@ def test_cnn_with_batch_norm(caplog):
 
 def test_bert_like_with_dropout(caplog):
     fit_vs_stock(bert_like, TOKENS, LABELS, caplog)
+
+
+@pytest.mark.parametrize("returns", ["a result", "names"])
+def test_a_strategy_callable_under_fit(caplog, returns):
+    """A custom strategy (the planner's model in; a Result or tensor names
+    out) trains as stock `fit` does: here the low-peak candidate with the
+    least peak where the optimizer takes each weight gradient as it is made
+    (`benchmarks/plan_objectives.py` measures that ranking)."""
+    picked = []
+
+    def least_peak_as_taken(graph_model):
+        result = min(strategies.low_peak_candidates(graph_model),
+                     key=lambda r: pricing.activation_peak(graph_model, r.plan))
+        picked.append(result)
+        return result if returns == "a result" else sorted(result.chosen)
+
+    fit_vs_stock(bert_like, TOKENS, LABELS, caplog, checkpoints=least_peak_as_taken)
+    assert picked and all(r.chosen for r in picked)
 
 
 def test_lstm_text_classifier(caplog):
