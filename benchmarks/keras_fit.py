@@ -20,6 +20,7 @@ Writes benchmarks/results/keras_fit.json and prints a table.
 """
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -30,7 +31,16 @@ import sys
 from benchmarks import image_models
 from examples import keras_models
 
+def memory_ranked_held(graph_model):
+    """`"memory"` ranking its plans with every weight gradient held to the end,
+    as it did under `fit` before session 52 (a strategy callable)."""
+    from memory_saving_gradients.core import strategies
+    return strategies.run(dataclasses.replace(graph_model, weight_gradients_taken=False),
+                          "memory")
+
+
 METHODS = {"fit": None, "fit + Checkpointing(memory)": "memory",
+           "fit + Checkpointing(memory ranked held)": memory_ranked_held,
            "fit + Checkpointing(speed)": "speed",
            # The same step without the tape: gradients(memory) called directly, to show
            # what the integration costs (nothing, if it equals Checkpointing(memory)).
@@ -72,11 +82,15 @@ def build(name):
     return model, x, y
 
 
-def measure(model_name, checkpoints, steps, data):
+def measure(model_name, checkpoints, steps, data, threads=0):
     """Runs in the child process: fit `steps` batches of arrays or of a
     dataset (`data`), stock (`checkpoints` None), with `gradients` in the train
     step ("direct") or with the Checkpointing callback (any other `checkpoints`:
-    a mode or a strategy callable); returns one result row."""
+    a mode or a strategy callable), with `threads` inter-op threads (0:
+    TensorFlow's default); returns one result row."""
+    import tensorflow as tf
+    if threads:
+        tf.config.threading.set_inter_op_parallelism_threads(threads)
     import memory_saving_gradients as msg
     msg.enable_cpu_allocator_stats()
     import numpy as np
@@ -95,7 +109,6 @@ def measure(model_name, checkpoints, steps, data):
                            if checkpoints not in (None, "direct") else [])
     xs, ys = np.concatenate([x] * steps), np.concatenate([y] * steps)
     if data == "dataset":
-        import tensorflow as tf
         model.fit(tf.data.Dataset.from_tensor_slices((xs, ys)).batch(len(x)), epochs=1,
                   verbose=0, callbacks=callbacks)
     else:
@@ -139,12 +152,13 @@ def ratios(row, stock):
             "time_ratio": row["step_s"] / stock["step_s"]}
 
 
-def run_child(model_name, method, steps, data):
+def run_child(model_name, method, steps, data, threads=0):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
          os.environ.get("PYTHONPATH", "")]))
     out = subprocess.run([sys.executable, "-m", "benchmarks.keras_fit", "--child", model_name,
-                          method, "--steps", str(steps), "--data", data], env=env,
+                          method, "--steps", str(steps), "--data", data,
+                          "--threads", str(threads)], env=env,
                          capture_output=True, text=True, timeout=900, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -158,19 +172,22 @@ def main(argv=None):
                         help="';'-separated; ratios are against the first")
     parser.add_argument("--data", choices=("arrays", "dataset"), default="arrays",
                         help="arrays: the batch static when traced; dataset: unknown")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="inter-op threads (0: TensorFlow's default)")
     parser.add_argument("--out", default=RESULTS)
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         print(json.dumps(measure(args.child[0], METHODS[args.child[1]], args.steps,
-                                 args.data)))
+                                 args.data, args.threads)))
         return
     rows = []
     for model_name in args.models.split(","):
         stock = None
         for method in args.methods.split(";"):
             row = {"model": model_name, "method": method, "data": args.data,
-                   **run_child(model_name, method, args.steps, args.data)}
+                   "threads": args.threads,
+                   **run_child(model_name, method, args.steps, args.data, args.threads)}
             stock = stock or row
             row.update(ratios(row, stock))
             rows.append(row)

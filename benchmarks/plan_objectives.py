@@ -86,12 +86,9 @@ def measured(model_name, ranking, threads, steps):
 
 
 def _child(model_name, ranking, threads, steps):
-    import tensorflow as tf
     from benchmarks import keras_fit
-    if threads:
-        tf.config.threading.set_inter_op_parallelism_threads(threads)
     strategy = None if ranking == "stock" else first_of(ranking)
-    print(json.dumps(keras_fit.measure(model_name, strategy, steps, "arrays")))
+    print(json.dumps(keras_fit.measure(model_name, strategy, steps, "arrays", threads)))
 
 
 def measure_rankings(model_name, steps):
