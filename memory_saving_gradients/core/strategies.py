@@ -130,45 +130,27 @@ def memory(model: GraphModel, problem=None) -> Result:
     under the loop modes the least-peak plan chose.
     `problem` is `cut_problem(model)`, built here when not given.
 
-    The peak is the step's with every weight gradient held to the end, or,
-    for a model whose `weight_gradients_taken` (Keras's `fit`), with each
-    taken as it is made (`pricing.activation_peak`): measured under `fit`,
-    the plan ranked first by that count peaked 9-12% lower on
-    EfficientNetV2B0 (benchmarks/plan_objectives.py).
-
     Example: on a 100-layer tanh chain it keeps about 10 tensors, spaced so the
     recomputed segments and the kept tensors are balanced.
     """
     problem = problem or cut_problem(model)
-    taken = model.weight_gradients_taken
-    least, instead = _chosen(model, "memory", low_peak_candidates(model, problem), taken)
+    least, instead = _chosen(model, "memory", low_peak_candidates(model, problem))
     if least.plan.stock:  # nothing recomputes less
         return least
-    peak = _as_taken(model) if taken else _requested
     modes = least.plan.loops
-    cheaper = _fitting(model, loop_plans.adjusted(problem, model, modes), peak(least),
-                       "memory", modes, peak)
+    cheaper = _fitting(model, loop_plans.adjusted(problem, model, modes), least.peak_bytes,
+                       "memory", modes)
     if cheaper is None or cheaper.recompute_flops >= least.recompute_flops:
-        return _ranked_note(model, least)
+        return least
     if STOCK_FALLBACK:  # as `_chosen` checks `least`
-        taken_peak, stock_taken = _peaks_as_taken(model, cheaper.plan)
-        if taken_peak > stock_taken:
-            return _ranked_note(model, least)
+        taken, stock_taken = _peaks_as_taken(model, cheaper.plan)
+        if taken > stock_taken:
+            return least
     at = ("the least predicted peak" if instead is None else
           "the predicted peak of the plan taken instead of the least-peak one")
-    return _ranked_note(model, dataclasses.replace(cheaper, notes=cheaper.notes + (
-        f"least recompute at {at} ({peak(least) / 2**20:.1f} MiB, "
-        f"{least.recompute_flops:.3g} FLOPs recomputed)",) + ((instead,) if instead else ())))
-
-
-def _ranked_note(model: GraphModel, result: Result) -> Result:
-    """`result`, saying which peak ranked it where that is not the default."""
-    if not model.weight_gradients_taken or result.plan.stock:
-        return result
-    return dataclasses.replace(result, notes=result.notes + (
-        f"plans ranked by the step's peak {TAKEN_AS_MADE} "
-        f"({pricing.activation_peak(model, result.plan) / 2**20:.1f} MiB; tf.gradients' "
-        f"{pricing.activation_peak(model, None) / 2**20:.1f})",))
+    return dataclasses.replace(cheaper, notes=cheaper.notes + (
+        f"least recompute at {at} ({least.peak_bytes / 2**20:.1f} MiB, "
+        f"{least.recompute_flops:.3g} FLOPs recomputed)",) + ((instead,) if instead else ()))
 
 
 def least_peak(model: GraphModel, problem=None) -> Result:
@@ -279,19 +261,17 @@ def cut_problem(model: GraphModel):
     return cuts.from_model(model, max_cuts=MAX_CUTS)
 
 
-def _chosen(model, name, priced, taken=False) -> tuple:
+def _chosen(model, name, priced) -> tuple:
     """(the plan of least predicted peak of `priced`, ties: least recompute;
     None), or where that plan is above tf.gradients with each weight gradient
     taken as it is made, (the next of them below tf.gradients both ways, or
-    tf.gradients itself; why). `taken`: the peak is the one with each weight
-    gradient taken as it is made (`_as_taken`), not held to the end.
+    tf.gradients itself; why).
 
     The cut model counts every recomputed output as alive at once and sees no
     gradients nor scratch buffers; the timeline does, and ranks its few best
     plans (one per bound on the largest interval) differently.
     """
-    peak = _as_taken(model) if taken else _requested
-    ranked = sorted(priced, key=lambda r: (peak(r), r.recompute_flops))
+    ranked = sorted(priced, key=lambda r: (r.peak_bytes, r.recompute_flops))
     best = ranked[0]
     if not STOCK_FALLBACK:
         return best, None
@@ -305,22 +285,21 @@ def _chosen(model, name, priced, taken=False) -> tuple:
     # can keep more activations than stock earlier in backprop (12 dense
     # layers of 512 units on 128 rows under `fit`: 1.12-1.35x stock's step);
     # the next of those that is below stock by both counts is taken then.
-    baseline = pricing.activation_peak(model, None) if taken else best.estimate.baseline_bytes
-    if peak(best) >= baseline:
+    baseline = best.estimate.baseline_bytes
+    if best.peak_bytes >= baseline:
         why = (f"no plan was predicted below tf.gradients' peak of "
-               f"{baseline / 2**20:.1f} MiB{' ' + TAKEN_AS_MADE if taken else ''} (the best "
-               f"of the cut model's {len(priced)}: {peak(best) / 2**20:.1f} MiB)")
+               f"{baseline / 2**20:.1f} MiB (the best of the cut model's "
+               f"{len(priced)}: {best.peak_bytes / 2**20:.1f} MiB)")
     else:
-        # Ranked as taken, this holds already.
-        taken_peak, stock_taken = _peaks_as_taken(model, best.plan)
-        if taken_peak <= stock_taken:
+        taken, stock_taken = _peaks_as_taken(model, best.plan)
+        if taken <= stock_taken:
             return best, None
         # The margin, not the two peaks: where the weights' gradients dominate,
         # both print alike (0.25 MiB).
         below = (baseline - best.peak_bytes) / 2**10
         why = (f"the best plan ({below:.0f} KiB below tf.gradients' peak with the weights' "
                f"gradients held) was predicted above tf.gradients where an optimizer takes "
-               f"each weight gradient as it is made ({taken_peak / 2**20:.1f} MiB against "
+               f"each weight gradient as it is made ({taken / 2**20:.1f} MiB against "
                f"{stock_taken / 2**20:.1f})")
         # Strictly below as taken: a plan only equal to stock there would add
         # recompute for nothing where the optimizer's count is the one that matters.
@@ -332,16 +311,6 @@ def _chosen(model, name, priced, taken=False) -> tuple:
                 return dataclasses.replace(other, notes=other.notes + (why,)), why
     why = f"{why}: the stock gradient, every activation kept, nothing recomputed"
     return stock(model, name, (why,)), why
-
-
-# How `_chosen` and the notes name the peak of a model whose `weight_gradients_taken`.
-TAKEN_AS_MADE = "where an optimizer in the same graph takes each weight gradient as it is made"
-
-
-def _as_taken(model):
-    """A Result's peak with each weight gradient taken as it is made: the
-    judge of `_fitting` and the key of `_chosen` for such a model."""
-    return lambda result: pricing.activation_peak(model, result.plan)
 
 
 def _peaks_as_taken(model, plan) -> tuple:
