@@ -20,7 +20,6 @@ Writes benchmarks/results/keras_fit.json and prints a table.
 """
 
 import argparse
-import dataclasses
 import json
 import logging
 import os
@@ -31,16 +30,7 @@ import sys
 from benchmarks import image_models
 from examples import keras_models
 
-def memory_ranked_held(graph_model):
-    """`"memory"` ranking its plans with every weight gradient held to the end,
-    as it did under `fit` before session 52 (a strategy callable)."""
-    from memory_saving_gradients.core import strategies
-    return strategies.run(dataclasses.replace(graph_model, weight_gradients_taken=False),
-                          "memory")
-
-
 METHODS = {"fit": None, "fit + Checkpointing(memory)": "memory",
-           "fit + Checkpointing(memory ranked held)": memory_ranked_held,
            "fit + Checkpointing(speed)": "speed",
            # The same step without the tape: gradients(memory) called directly, to show
            # what the integration costs (nothing, if it equals Checkpointing(memory)).
@@ -140,9 +130,9 @@ def ratios(row, stock):
     """`row`'s step against `stock`'s: the whole peak, the activations (the peak
     less all the weights' gradients) and the median step time.
 
-    Under `fit` the optimizer takes each weight gradient as it is made, so the
-    activation ratio subtracts gradients that need not be alive at either peak:
-    where they are large, the whole peak's ratio is the one to read (session 48's
+    The weight gradients are made during backprop, so the activation ratio
+    subtracts gradients that need not all be alive at either peak: where they
+    are large, the whole peak's ratio is the one to read (session 48's
     ResNets: 0.18-0.27 of stock's activations, 0.32-0.42 of its whole peak, the
     planner's ratio 0.36-0.38).
     """

@@ -7,8 +7,9 @@ fallback, in fresh processes per threading.
 
 The step (ROWSxWIDTH, 128x512 by default): 12 Keras Dense(WIDTH, relu) +
 BatchNormalization layers on ROWS rows and SGD's `apply_gradients` in the
-same `tf.function`, so the optimizer can take each weight gradient (12 MiB in
-all at 512 units) as it is made, as under Keras's `fit`. "memory" falls back
+same `tf.function`, as under Keras's `fit` (12 MiB of weight gradients at 512
+units; Keras 3's optimizer all-reduces them all before any update, session
+52's review found, so it holds them rather than take each as made). "memory" falls back
 to tf.gradients there (strategies._chosen: its plan is predicted above stock
 with each weight gradient taken as it is made); "memory, fallback off" is the
 plan the fallback refuses.

@@ -1,9 +1,10 @@
 """The planner's candidate plans for a Keras `fit` step, ranked two ways.
 
 `"memory"` ranks its candidates by their predicted peak with every weight
-gradient held to the end (what a `gradients` caller holds); under `fit` the
-optimizer takes each weight gradient as it is made, and the step's peak is
-the other count (`pricing.activation_peak`). This prints, for each model, the
+gradient held to the end (what a `gradients` caller holds, and Keras 3's `fit`:
+its optimizer all-reduces every gradient before any update); an optimizer
+that updates each weight from its own gradient alone would take each as it
+is made, the other count (`pricing.activation_peak`). This prints, for each model, the
 cut model's candidates priced both ways with their recompute, and which each
 ranking takes first (ties: least recompute). Planner only: one step of `fit`
 is run to trace it.

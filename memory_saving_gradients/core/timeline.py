@@ -197,8 +197,8 @@ def step_peaks(model: GraphModel, plan: Optional[Plan] = None) -> tuple:
 def activation_peak(model: GraphModel, plan: Optional[Plan] = None) -> int:
     """`step_peaks`' activation peak, stock's replayed one op at a time as
     `predict` replays it: what the step holds where each weight gradient is
-    taken as it is made (an optimizer's update in the same graph, as in
-    Keras's `fit`) instead of held to the end."""
+    taken as it is made (an optimizer in the same graph updating each weight
+    from its own gradient alone) instead of held to the end."""
     if _is_stock(plan):
         return op_table.per_model(model, "stock_activation_peak",
                                   lambda m: _without_weight_gradients(_replayed(m, None)))
