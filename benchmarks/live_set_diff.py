@@ -1,6 +1,7 @@
 """What the allocator holds at its measured peak beside the simulator's live set at its peak.
 
     python -m benchmarks.live_set_diff MODEL [--method memory] [--threads 1] [--top 25]
+    python -m benchmarks.live_set_diff EfficientNetV2B0:96:32 --ranking "as taken"
 
 MODEL: a name of `predicted_vs_measured.MODELS`, or "FAMILY:SIZE:BATCH" (e.g.
 "MobileNetV2:64:112") for a model family at another size and batch.
@@ -9,7 +10,9 @@ Diagnostic for docs/planner.md: traces one step of a `predicted_vs_measured`
 model, profiles one call (the profiler's allocator events: op, shape, bytes,
 address, with TF_CPU_ALLOCATOR_USE_BFC=1), replays them in time order to the
 peak, and prints the live buffers there grouped by op, then the timeline's
-live keys at its own predicted peak, largest first.
+live keys at its own predicted peak, largest first. `--ranking held` or
+`--ranking "as taken"` profiles the plan that ranking of the planner's candidates
+takes first (`plan_objectives.first_of`) instead of a method's.
 """
 
 import argparse
@@ -104,21 +107,28 @@ def main():
     parser.add_argument("--method", default="tf.gradients")
     parser.add_argument("--threads", default="default")
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--ranking", choices=("held", "as taken"),
+                        help="profile this ranking's first plan instead of --method's")
     args = parser.parse_args()
+    from benchmarks import plan_objectives
     from benchmarks import predicted_vs_measured as pvm
     model, inputs, labels = pvm.model_and_data(args.model, args.threads)
-    traced = pvm._traced_step(model, inputs, labels, args.method, False)  # pylint: disable=protected-access
+    method = plan_objectives.first_of(args.ranking) if args.ranking else args.method
+    traced = pvm._traced_step(model, inputs, labels, method, False)  # pylint: disable=protected-access
     plan = traced["plan"]
-    peak, live = measured_live_at_peak(allocator_events(traced["step"], inputs, labels))
+    events = allocator_events(traced["step"], inputs, labels)
+    peak, live = measured_live_at_peak(events)
     requested = sum(buffer[3] for buffer in live.values())
     print(f"measured peak {peak / 2**20:.2f} MiB (with weight gradients), of which "
           f"{(peak - requested) / 2**20:.2f} MiB chunks beyond the bytes requested")
+    print(f"bytes requested: peak {requested_peak(events) / 2**20:.2f} MiB, activation peak "
+          f"{activation_peak(events) / 2**20:.2f} (weight gradients left out)")
     by_op = collections.Counter()
     for size, op, shape, _ in live.values():
         by_op[(op, shape)] += size
     for (op, shape), size in by_op.most_common(args.top):
         print(f"  {size / 2**20:8.3f}  {op}  {shape}")
-    stock = args.method == "tf.gradients"
+    stock = method == "tf.gradients"
     total, alive, step, steps = predicted_live_at_peak(plan.model, None if stock else plan.plan)
     print(f"predicted peak {total / 2**20:.2f} MiB at step {step}/{steps}")
     for size, key in alive[:args.top]:

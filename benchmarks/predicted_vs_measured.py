@@ -193,7 +193,8 @@ def _traced_or_error(model, inputs, labels, method, jit):
 
 
 def _traced_step(model, inputs, labels, method, jit):
-    """One training step of `method` in a tf.function, traced; its plan and budget."""
+    """One training step of `method` (a name of `METHODS`, budgetS, withinS, or a
+    strategy callable) in a tf.function, traced; its plan and budget."""
     import tensorflow as tf
     import memory_saving_gradients as msg
     found = {}
@@ -202,10 +203,11 @@ def _traced_step(model, inputs, labels, method, jit):
     def step(inputs, labels):
         loss, weights = loss_and_weights(model, inputs, labels)
         checkpoints = "memory" if method == METHODS[0] else method
-        if method.startswith("budget"):  # budget0.3: 30% of tf.gradients' predicted memory
+        named = isinstance(method, str)
+        if named and method.startswith("budget"):  # budget0.3: 30% of tf.gradients' memory
             baseline = msg.checkpoint_plan(loss, weights, "speed").estimate.baseline_bytes
             checkpoints = found["budget"] = msg.budget(float(method[6:]) * baseline)
-        if method.startswith("within"):  # within0.1: memory_within(0.1)
+        if named and method.startswith("within"):  # within0.1: memory_within(0.1)
             checkpoints = msg.memory_within(float(method[6:]))
         plan = msg.checkpoint_plan(loss, weights, checkpoints)
         found["plan"] = plan
