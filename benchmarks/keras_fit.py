@@ -142,15 +142,21 @@ def ratios(row, stock):
             "time_ratio": row["step_s"] / stock["step_s"]}
 
 
-def run_child(model_name, method, steps, data, threads=0):
+def child_row(module, args, timeout):
+    """Runs `python -m <module> <args>` in a fresh process (this checkout first on
+    the path) and returns the JSON row its last line of output prints."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
          os.environ.get("PYTHONPATH", "")]))
-    out = subprocess.run([sys.executable, "-m", "benchmarks.keras_fit", "--child", model_name,
-                          method, "--steps", str(steps), "--data", data,
-                          "--threads", str(threads)], env=env,
-                         capture_output=True, text=True, timeout=900, check=True).stdout
+    out = subprocess.run([sys.executable, "-m", module, *args], env=env, capture_output=True,
+                         text=True, timeout=timeout, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
+
+
+def run_child(model_name, method, steps, data, threads=0):
+    return child_row("benchmarks.keras_fit",
+                     ["--child", model_name, method, "--steps", str(steps), "--data", data,
+                      "--threads", str(threads)], timeout=900)
 
 
 def main(argv=None):

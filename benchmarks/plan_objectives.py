@@ -25,9 +25,6 @@ threading and with one inter-op thread:
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 
 # How each ranking orders the candidates: its predicted peak, then recompute.
 RANKINGS = ("held", "as taken")
@@ -77,13 +74,10 @@ def measured(model_name, ranking, threads, steps):
     """In a fresh process: `keras_fit.measure`'s row for stock `fit` (`ranking`
     "stock") or the first plan of `ranking`, with `threads` inter-op threads
     (0: TensorFlow's default)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-         os.environ.get("PYTHONPATH", "")]))
-    out = subprocess.run([sys.executable, "-m", "benchmarks.plan_objectives", "--child",
-                          model_name, ranking, str(threads), "--steps", str(steps)], env=env,
-                         capture_output=True, text=True, timeout=1800, check=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    from benchmarks import keras_fit
+    return keras_fit.child_row("benchmarks.plan_objectives",
+                               ["--child", model_name, ranking, str(threads), "--steps",
+                                str(steps)], timeout=1800)
 
 
 def _child(model_name, ranking, threads, steps):
