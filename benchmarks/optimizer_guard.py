@@ -8,11 +8,11 @@ fallback, in fresh processes per threading.
 The step (ROWSxWIDTH, 128x512 by default): 12 Keras Dense(WIDTH, relu) +
 BatchNormalization layers on ROWS rows and SGD's `apply_gradients` in the
 same `tf.function`, as under Keras's `fit` (12 MiB of weight gradients at 512
-units; Keras 3's optimizer all-reduces them all before any update, session
-52's review found, so it holds them rather than take each as made). "memory" falls back
-to tf.gradients there (strategies._chosen: its plan is predicted above stock
-with each weight gradient taken as it is made); "memory, fallback off" is the
-plan the fallback refuses.
+units; Grappler removes the IdentityN that Keras 3's optimizer puts over them
+all, so each update waits for its own gradient alone). "memory" falls back to
+tf.gradients there (strategies._chosen: its plan is predicted above stock with
+each weight gradient taken as it is made); "memory, fallback off" is the plan
+the fallback refuses.
 
 Each process measures the three variants in turn, CALLS calls each, as the
 allocator's peak (TF_CPU_ALLOCATOR_USE_BFC=1). Rows are appended to

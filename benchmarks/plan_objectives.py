@@ -1,11 +1,11 @@
 """The planner's candidate plans for a Keras `fit` step, ranked two ways.
 
 `"memory"` ranks its candidates by their predicted peak with every weight
-gradient held to the end (what a `gradients` caller holds, and Keras 3's `fit`:
-its optimizer all-reduces every gradient before any update); an optimizer
-that updates each weight from its own gradient alone would take each as it
-is made, the other count (`pricing.activation_peak`). This prints, for each model, the
-cut model's candidates priced both ways with their recompute, and which each
+gradient held to the end (what a `gradients` caller holds), except in Keras
+3's own `fit` step, whose optimizer updates each weight once its own gradient
+is made (Grappler removes the IdentityN over them all): there by the peak with
+each taken as it is made (`pricing.activation_peak`). This prints, for each
+model, the cut model's candidates priced both ways with their recompute, and which each
 ranking takes first (ties: least recompute). Planner only: one step of `fit`
 is run to trace it.
 
@@ -26,7 +26,8 @@ threading and with one inter-op thread:
 import argparse
 import json
 
-# How each ranking orders the candidates: its predicted peak, then recompute.
+# How each ranking orders the candidates: its predicted peak, then recompute
+# (strategies.HELD and strategies.AS_TAKEN, the counts `"memory"` ranks by).
 RANKINGS = ("held", "as taken")
 
 
@@ -58,15 +59,12 @@ def candidates(model_name):
 def first_of(ranking):
     """A strategy callable for `Checkpointing`: the low-peak candidate that
     `ranking` (one of `RANKINGS`) takes first, ties to the least recompute."""
-    from memory_saving_gradients.core import pricing
     from memory_saving_gradients.core import strategies
 
     def strategy(graph_model):
-        def peak(result):
-            return (result.peak_bytes if ranking == "held"
-                    else pricing.activation_peak(graph_model, result.plan))
         return min(strategies.low_peak_candidates(graph_model),
-                   key=lambda r: (peak(r), r.recompute_flops))
+                   key=lambda r: (strategies.counted_peak(graph_model, r, ranking),
+                                  r.recompute_flops))
     return strategy
 
 

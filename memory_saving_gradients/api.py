@@ -7,8 +7,10 @@ tfgraph/).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import threading
 
 import tensorflow as tf
 
@@ -27,6 +29,8 @@ logger = logging.getLogger("memory_saving_gradients")
 
 MODES = strategies.MODES
 COLLECTION = "checkpoints"
+# Per thread: how many `weight_gradients_taken` contexts are open.
+_taken = threading.local()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,9 +180,24 @@ def _sources(graph, xs):
     return local, entries, local + [internal for _, internal in entries]
 
 
+@contextlib.contextmanager
+def weight_gradients_taken():
+    """While open in this thread, `gradients` plans for a step whose
+    optimizer, in the same graph, takes each weight gradient as it is made
+    (Keras's own `fit` step): `"memory"` ranks plans by that step's peak
+    (`GraphModel.weight_gradients_taken`). For integrations that know."""
+    _taken.depth = getattr(_taken, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _taken.depth -= 1
+
+
 def _plan(ys, xs, checkpoints):
     read = reading.build_model(ys, xs)
     model = read.model
+    if getattr(_taken, "depth", 0):
+        model = dataclasses.replace(model, weight_gradients_taken=True)
     mode = strategies.validate(checkpoints)
     names = () if mode == "custom" else _explicit_names(read, ys, xs, mode, checkpoints)
     result = strategies.select(model, mode, names, checkpoints)

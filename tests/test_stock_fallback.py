@@ -117,9 +117,9 @@ def test_no_plan_is_taken_above_stock_where_an_optimizer_takes_each_gradient(mod
     """Where weight gradients (12 MiB) outweigh the activations (0.25 MiB
     each), every plan's peak is theirs at the end of backprop, and the least of
     those near ties kept more activations than stock before it: 1.12-1.35x
-    stock's step under Keras's `fit` (a review's find; an optimizer may take
-    each gradient as it is made, Keras 3's holds them all). Predicted so now,
-    the gradient is stock's (its
+    stock's step under Keras's `fit` (a review's find), whose optimizer
+    updates each weight once its own gradient is made. Predicted so now, the
+    gradient is stock's (its
     ops are tf.gradients': `test_stock_fallback_gradients_are_tf_gradients`)."""
     plan = _dense_step_plan(128, 512, mode)
     assert plan.plan.stock and plan.num_recomputed_ops == 0, plan.notes

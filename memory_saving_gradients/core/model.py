@@ -204,6 +204,10 @@ class GraphModel:
         whose shape leaves a dimension unknown when traced (a batch of a
         dataset batched without drop_remainder); their `bytes` count each
         unknown dimension of the step's inputs as `UNKNOWN_DIM_SIZE`.
+      weight_gradients_taken: an optimizer in the same graph takes each weight
+        gradient as it is made (Keras's `fit`), so the step's peak is the one
+        `timeline.activation_peak` counts, not the one with every weight
+        gradient held to the end; `"memory"` ranks its plans by it.
     """
     graph: nx.DiGraph
     tensors: Mapping[str, Activation]
@@ -240,6 +244,7 @@ class GraphModel:
     weights_first: frozenset[str] = frozenset()
     deferred_weight_gradient_types: frozenset[str] = frozenset()
     unsized: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    weight_gradients_taken: bool = False
 
     def scaled(self, factor: int) -> "GraphModel":
         """This model with its `unsized` activations `factor` times their bytes:

@@ -50,6 +50,16 @@ FIT_RETRIES = 4  # re-solves with a tighter cut-model budget when the prediction
 # on a toy graph whose plans save nothing; the test suite does, see conftest).
 STOCK_FALLBACK = True
 
+# The two counts of a step's peak that `_chosen` ranks and guards by. Neither is
+# the step's exactly: Keras 3's optimizer puts one IdentityN over every weight
+# gradient, but Grappler's dependency optimizer removes it, so each update waits
+# for its own gradient alone, and the executor's order keeps two or three alive
+# at once, not all (docs/planner.md, session 53).
+HELD, AS_TAKEN = "held", "as taken"
+_COUNTED = {HELD: "with the weights' gradients held",
+            AS_TAKEN: "where an optimizer in the same graph takes each weight gradient as it "
+                      "is made"}
+
 
 @dataclasses.dataclass(frozen=True)
 class Result:
@@ -130,27 +140,47 @@ def memory(model: GraphModel, problem=None) -> Result:
     under the loop modes the least-peak plan chose.
     `problem` is `cut_problem(model)`, built here when not given.
 
+    The peak is the step's with every weight gradient held to the end, or,
+    for a model whose `weight_gradients_taken` (Keras 3's own `fit` step),
+    with each taken as it is made (`pricing.activation_peak`): Grappler lets
+    each update there wait for its own gradient alone (see HELD), and measured
+    under `fit` the plan ranked first by that count peaked 9-12% lower on
+    EfficientNetV2B0 (benchmarks/plan_objectives.py). The other count guards
+    (`_chosen`).
+
     Example: on a 100-layer tanh chain it keeps about 10 tensors, spaced so the
     recomputed segments and the kept tensors are balanced.
     """
     problem = problem or cut_problem(model)
-    least, instead = _chosen(model, "memory", low_peak_candidates(model, problem))
+    taken = model.weight_gradients_taken
+    least, instead = _chosen(model, "memory", low_peak_candidates(model, problem), taken)
     if least.plan.stock:  # nothing recomputes less
         return least
+    peak = _as_taken(model) if taken else _requested
     modes = least.plan.loops
-    cheaper = _fitting(model, loop_plans.adjusted(problem, model, modes), least.peak_bytes,
-                       "memory", modes)
+    cheaper = _fitting(model, loop_plans.adjusted(problem, model, modes), peak(least),
+                       "memory", modes, peak)
     if cheaper is None or cheaper.recompute_flops >= least.recompute_flops:
-        return least
-    if STOCK_FALLBACK:  # as `_chosen` checks `least`
-        taken, stock_taken = _peaks_as_taken(model, cheaper.plan)
-        if taken > stock_taken:
-            return least
+        return _ranked_note(model, least)
+    guards = HELD if taken else AS_TAKEN
+    if STOCK_FALLBACK and not _guard_passes(  # as `_chosen` checks `least`
+            model, cheaper, guards, _stock_peak(model, cheaper, guards)):
+        return _ranked_note(model, least)
     at = ("the least predicted peak" if instead is None else
           "the predicted peak of the plan taken instead of the least-peak one")
-    return dataclasses.replace(cheaper, notes=cheaper.notes + (
-        f"least recompute at {at} ({least.peak_bytes / 2**20:.1f} MiB, "
-        f"{least.recompute_flops:.3g} FLOPs recomputed)",) + ((instead,) if instead else ()))
+    return _ranked_note(model, dataclasses.replace(cheaper, notes=cheaper.notes + (
+        f"least recompute at {at} ({peak(least) / 2**20:.1f} MiB, "
+        f"{least.recompute_flops:.3g} FLOPs recomputed)",) + ((instead,) if instead else ())))
+
+
+def _ranked_note(model: GraphModel, result: Result) -> Result:
+    """`result`, saying which peak ranked it where that is not the default."""
+    if not model.weight_gradients_taken or result.plan.stock:
+        return result
+    return dataclasses.replace(result, notes=result.notes + (
+        f"plans ranked by the step's peak {_COUNTED[AS_TAKEN]} "
+        f"({pricing.activation_peak(model, result.plan) / 2**20:.1f} MiB; tf.gradients' "
+        f"{pricing.activation_peak(model, None) / 2**20:.1f})",))
 
 
 def least_peak(model: GraphModel, problem=None) -> Result:
@@ -261,62 +291,83 @@ def cut_problem(model: GraphModel):
     return cuts.from_model(model, max_cuts=MAX_CUTS)
 
 
-def _chosen(model, name, priced) -> tuple:
+def _chosen(model, name, priced, taken=False) -> tuple:
     """(the plan of least predicted peak of `priced`, ties: least recompute;
-    None), or where that plan is above tf.gradients with each weight gradient
-    taken as it is made, (the next of them below tf.gradients both ways, or
-    tf.gradients itself; why).
+    None), or where that plan is not below tf.gradients by both counts
+    (`counted_peak`), (the next of them that is, or tf.gradients itself; why).
+    `taken`: the count with each weight gradient taken as it is made ranks,
+    and the held count guards; else the other way round.
 
     The cut model counts every recomputed output as alive at once and sees no
     gradients nor scratch buffers; the timeline does, and ranks its few best
     plans (one per bound on the largest interval) differently.
     """
-    ranked = sorted(priced, key=lambda r: (r.peak_bytes, r.recompute_flops))
+    ranks, guards = (AS_TAKEN, HELD) if taken else (HELD, AS_TAKEN)
+
+    def peak(result, count):
+        return counted_peak(model, result, count)
+    ranked = sorted(priced, key=lambda r: (peak(r, ranks), r.recompute_flops))
     best = ranked[0]
     if not STOCK_FALLBACK:
         return best, None
     # A plan that saves nothing would still cost its recompute (and, with
     # hundreds of levels, minutes of graph building): a user asking for less
     # memory never gets more than tf.gradients' own (the timeline sees
-    # gradients and scratch the cut model does not, so its best can be above),
-    # whether the weight gradients are held to the end or an optimizer in the
-    # same graph takes each as it is made. Where they outweigh the activations,
-    # every plan's peak is theirs at the end, and the least of such near ties
-    # can keep more activations than stock earlier in backprop (12 dense
-    # layers of 512 units on 128 rows under `fit`: 1.12-1.35x stock's step);
-    # the next of those that is below stock by both counts is taken then.
-    baseline = best.estimate.baseline_bytes
-    if best.peak_bytes >= baseline:
+    # gradients and scratch the cut model does not, so its best can be above).
+    # Where the weight gradients outweigh the activations, every plan's held
+    # peak is theirs at the end, and the least of such near ties can keep more
+    # activations than stock earlier in backprop (12 dense layers of 512 units
+    # on 128 rows under `fit`: 1.12-1.35x stock's step); the next of those that
+    # is below stock by both counts is taken then.
+    stock_peak = {count: _stock_peak(model, best, count) for count in (HELD, AS_TAKEN)}
+    if peak(best, ranks) >= stock_peak[ranks]:
         why = (f"no plan was predicted below tf.gradients' peak of "
-               f"{baseline / 2**20:.1f} MiB (the best of the cut model's "
-               f"{len(priced)}: {best.peak_bytes / 2**20:.1f} MiB)")
+               f"{stock_peak[ranks] / 2**20:.1f} MiB {_COUNTED[ranks]} (the best of the cut "
+               f"model's {len(priced)}: {peak(best, ranks) / 2**20:.1f} MiB)")
+    elif _guard_passes(model, best, guards, stock_peak[guards]):
+        return best, None
     else:
-        taken, stock_taken = _peaks_as_taken(model, best.plan)
-        if taken <= stock_taken:
-            return best, None
         # The margin, not the two peaks: where the weights' gradients dominate,
         # both print alike (0.25 MiB).
-        below = (baseline - best.peak_bytes) / 2**10
-        why = (f"the best plan ({below:.0f} KiB below tf.gradients' peak with the weights' "
-               f"gradients held) was predicted above tf.gradients where an optimizer takes "
-               f"each weight gradient as it is made ({taken / 2**20:.1f} MiB against "
-               f"{stock_taken / 2**20:.1f})")
-        # Strictly below as taken: a plan only equal to stock there would add
-        # recompute for nothing where the optimizer's count is the one that matters.
+        below = (stock_peak[ranks] - peak(best, ranks)) / 2**10
+        why = (f"the best plan ({below:.0f} KiB below tf.gradients' peak {_COUNTED[ranks]}) "
+               f"was predicted above tf.gradients {_COUNTED[guards]} "
+               f"({peak(best, guards) / 2**20:.1f} MiB against "
+               f"{stock_peak[guards] / 2**20:.1f})")
+        # Strictly below both: a plan only equal to stock by one count would add
+        # recompute for nothing where that count is the one that matters.
         for other in ranked[1:]:
-            if (other.peak_bytes < baseline
-                    and pricing.activation_peak(model, other.plan) < stock_taken):
+            if all(peak(other, count) < stock_peak[count] for count in stock_peak):
                 why = (f"{why}; taken instead: the next of them below tf.gradients both ways "
-                       f"({other.peak_bytes / 2**20:.1f} MiB with the weights' gradients held)")
+                       f"({peak(other, ranks) / 2**20:.1f} MiB {_COUNTED[ranks]})")
                 return dataclasses.replace(other, notes=other.notes + (why,)), why
     why = f"{why}: the stock gradient, every activation kept, nothing recomputed"
     return stock(model, name, (why,)), why
 
 
-def _peaks_as_taken(model, plan) -> tuple:
-    """(`plan`'s, tf.gradients') predicted peaks where an optimizer in the same
-    graph takes each weight gradient as it is made (`_chosen`)."""
-    return pricing.activation_peak(model, plan), pricing.activation_peak(model, None)
+def counted_peak(model, result, count) -> int:
+    """`result`'s predicted peak with every weight gradient held to the end
+    (HELD) or with each taken as it is made (AS_TAKEN)."""
+    return result.peak_bytes if count == HELD else pricing.activation_peak(model, result.plan)
+
+
+def _stock_peak(model, result, count) -> int:
+    """tf.gradients' predicted peak by `count` (`result`: any plan of `model`)."""
+    return (result.estimate.baseline_bytes if count == HELD
+            else pricing.activation_peak(model, None))
+
+
+def _guard_passes(model, result, guards, stock_peak) -> bool:
+    """`result` is below tf.gradients by the count that `guards` (`_chosen`); as
+    taken, equal passes: the held count ranked it, and it is below there."""
+    peak = counted_peak(model, result, guards)
+    return peak < stock_peak or (guards == AS_TAKEN and peak == stock_peak)
+
+
+def _as_taken(model):
+    """A Result's peak with each weight gradient taken as it is made: the
+    judge of `_fitting` for a model whose `weight_gradients_taken`."""
+    return lambda result: counted_peak(model, result, AS_TAKEN)
 
 
 def low_peak_candidates(model: GraphModel, problem=None) -> list:

@@ -198,7 +198,8 @@ def activation_peak(model: GraphModel, plan: Optional[Plan] = None) -> int:
     """`step_peaks`' activation peak, stock's replayed one op at a time as
     `predict` replays it: what the step holds where each weight gradient is
     taken as it is made (an optimizer in the same graph updating each weight
-    from its own gradient alone) instead of held to the end."""
+    from its own gradient alone, as Keras 3's does under `fit` once Grappler
+    has removed the IdentityN over them all) instead of held to the end."""
     if _is_stock(plan):
         return op_table.per_model(model, "stock_activation_peak",
                                   lambda m: _without_weight_gradients(_replayed(m, None)))

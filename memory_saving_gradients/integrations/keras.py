@@ -9,6 +9,7 @@ other integrations which checkpoints apply. The train function is rebuilt so
 Keras traces the wrapped step. Evaluation and prediction are not touched.
 """
 
+import contextlib
 import logging
 
 import tensorflow as tf
@@ -63,16 +64,34 @@ def enable(model, checkpoints="memory") -> None:
             f"memory_saving_gradients.keras.disable(model) first, or pass the Checkpointing "
             f"callback without calling enable()")
     step = model.train_step
+    replaced = _Replaced(checkpoints, model.__dict__.get("train_step"))
+    keras_own_step = replaced.own_train_step is None and getattr(
+        type(model).train_step, "__qualname__", "") == "TensorFlowTrainer.train_step"
 
     @tf.autograph.experimental.do_not_convert
     def train_step(data):
-        with patching.checkpointing(checkpoints):
+        with patching.checkpointing(checkpoints), (
+                api.weight_gradients_taken()
+                if keras_own_step and _takes_each_weight_gradient(model.optimizer)
+                else contextlib.nullcontext()):
             return step(data)
 
-    replaced = _Replaced(checkpoints, model.__dict__.get("train_step"))
     object.__setattr__(model, "train_step", train_step)
     object.__setattr__(model, _ENABLED, replaced)
     _retrace(model)
+
+
+def _takes_each_weight_gradient(optimizer) -> bool:
+    """Whether Keras 3's own train step, being traced, applies each weight
+    gradient as it is made: outside a distribution strategy (whose all-reduce
+    takes them together), with an optimizer that updates each variable from
+    its own gradient alone (not a global-norm clip, a loss-scale check of
+    every gradient, nor accumulation under a cond). tf_keras and a user's own
+    train step are not assumed to (`enable` checks the step)."""
+    return (optimizer is not None and not tf.distribute.has_strategy()
+            and getattr(optimizer, "global_clipnorm", None) is None
+            and not getattr(optimizer, "gradient_accumulation_steps", None)
+            and not any(c.__name__ == "LossScaleOptimizer" for c in type(optimizer).__mro__))
 
 
 def disable(model) -> None:
