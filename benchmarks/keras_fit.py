@@ -142,14 +142,19 @@ def ratios(row, stock):
             "time_ratio": row["step_s"] / stock["step_s"]}
 
 
-def child_row(module, args, timeout):
+def child_row(module, args, timeout, env=None):
     """Runs `python -m <module> <args>` in a fresh process (this checkout first on
-    the path) and returns the JSON row its last line of output prints."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+    the path; `env`: variables to set, or to unset where None) and returns the
+    JSON row its last line of output prints."""
+    child_env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
          os.environ.get("PYTHONPATH", "")]))
-    out = subprocess.run([sys.executable, "-m", module, *args], env=env, capture_output=True,
-                         text=True, timeout=timeout, check=True).stdout
+    for name, value in (env or {}).items():
+        child_env.pop(name, None)
+        if value is not None:
+            child_env[name] = value
+    out = subprocess.run([sys.executable, "-m", module, *args], env=child_env,
+                         capture_output=True, text=True, timeout=timeout, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 

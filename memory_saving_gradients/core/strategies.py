@@ -52,9 +52,10 @@ STOCK_FALLBACK = True
 
 # The two counts of a step's peak that `_chosen` ranks and guards by. Neither is
 # the step's exactly: Keras 3's optimizer puts one IdentityN over every weight
-# gradient, but Grappler's dependency optimizer removes it, so each update waits
-# for its own gradient alone, and the executor's order keeps two or three alive
-# at once, not all (docs/planner.md, session 53).
+# gradient, but Grappler's dependency optimizer removes it in a step that returns
+# a value (`fit`'s does), so each update waits for its own gradient alone, and the
+# executor's order keeps two or three alive at once, not all (docs/planner.md,
+# session 53).
 HELD, AS_TAKEN = "held", "as taken"
 _COUNTED = {HELD: "with the weights' gradients held",
             AS_TAKEN: "where an optimizer in the same graph takes each weight gradient as it "
