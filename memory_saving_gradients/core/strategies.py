@@ -295,7 +295,8 @@ def cut_problem(model: GraphModel):
 def _chosen(model, name, priced, taken=False) -> tuple:
     """(the plan of least predicted peak of `priced`, ties: least recompute;
     None), or where that plan is not below tf.gradients by both counts
-    (`counted_peak`), (the next of them that is, or tf.gradients itself; why).
+    (`counted_peak`; as taken, equal to it passes for the plan ranked first),
+    (the next of them strictly below both, or tf.gradients itself; why).
     `taken`: the count with each weight gradient taken as it is made ranks,
     and the held count guards; else the other way round.
 

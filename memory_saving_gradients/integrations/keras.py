@@ -16,6 +16,7 @@ import tensorflow as tf
 
 from memory_saving_gradients import api
 from memory_saving_gradients.integrations import patching
+from memory_saving_gradients.tfgraph import compat
 
 logger = logging.getLogger("memory_saving_gradients")
 
@@ -83,12 +84,18 @@ def enable(model, checkpoints="memory") -> None:
 
 def _takes_each_weight_gradient(optimizer) -> bool:
     """Whether Keras 3's own train step, being traced, applies each weight
-    gradient as it is made: outside a distribution strategy (whose all-reduce
-    takes them together), with an optimizer that updates each variable from
-    its own gradient alone (not a global-norm clip, a loss-scale check of
-    every gradient, nor accumulation under a cond). tf_keras and a user's own
-    train step are not assumed to (`enable` checks the step)."""
-    return (optimizer is not None and not tf.distribute.has_strategy()
+    gradient as it is made: with Grappler's dependency optimizer on (it removes
+    the IdentityN the optimizer puts over them all), outside a distribution
+    strategy (whose all-reduce takes them together), with an optimizer that
+    updates each variable from its own gradient (not a global-norm clip, a
+    loss-scale check of every gradient, nor accumulation under a cond). tf_keras
+    and a user's own train step are not assumed to (`enable` checks the step).
+
+    Slot arithmetic that needs no gradient (momentum's `m * momentum`, RMSprop's,
+    AdamW's decay) runs early and holds a weight-sized buffer per variable until
+    its gradient comes; neither count sees it (docs/planner.md, session 53)."""
+    return (optimizer is not None and compat.removes_identities()
+            and not tf.distribute.has_strategy()
             and getattr(optimizer, "global_clipnorm", None) is None
             and not getattr(optimizer, "gradient_accumulation_steps", None)
             and not any(c.__name__ == "LossScaleOptimizer" for c in type(optimizer).__mro__))
