@@ -34,12 +34,19 @@ METHODS = {"fit": None, "fit + Checkpointing(memory)": "memory",
            "fit + Checkpointing(speed)": "speed",
            # The same step without the tape: gradients(memory) called directly, to show
            # what the integration costs (nothing, if it equals Checkpointing(memory)).
-           "fit, train_step calling gradients(memory)": "direct"}
+           "fit, train_step calling gradients(memory)": "direct",
+           # What the optimizer's work that needs no gradient costs when it runs at the
+           # step's start (tfgraph/update_waits.py switched off; not in the default run).
+           "fit + Checkpointing(memory), updates not waiting": "memory, updates not waiting"}
+DEFAULT_METHODS = tuple(m for m in METHODS if "not waiting" not in m)
+OPTIMIZERS = {"adam": lambda k: "adam",
+              "sgd-momentum": lambda k: k.optimizers.SGD(0.01, momentum=0.9),
+              "adamw": lambda k: k.optimizers.AdamW(), "rmsprop": lambda k: k.optimizers.RMSprop()}
 MODELS = ("cnn", "bert", "convnext")
 RESULTS = os.path.join(os.path.dirname(__file__), "results", "keras_fit.json")
 
 
-def build(name):
+def build(name, optimizer="adam"):
     """The model and one batch: MobileNetV2 (batch norm), a BERT-like encoder,
     ConvNeXtTiny (grouped convolutions: XLA-compiled calls), or any other
     keras.applications model by its name, on 32 images of 96 pixels as
@@ -67,17 +74,17 @@ def build(name):
         raise ValueError(f"unknown model {name!r}: one of {', '.join(MODELS)} or the name of "
                          f"a keras.applications model")
     y = rng.randint(0, 4, len(x))
-    model.compile(optimizer="adam",
+    model.compile(optimizer=OPTIMIZERS[optimizer](keras),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     return model, x, y
 
 
-def measure(model_name, checkpoints, steps, data, threads=0):
+def measure(model_name, checkpoints, steps, data, threads=0, optimizer="adam"):
     """Runs in the child process: fit `steps` batches of arrays or of a
     dataset (`data`), stock (`checkpoints` None), with `gradients` in the train
     step ("direct") or with the Checkpointing callback (any other `checkpoints`:
     a mode or a strategy callable), with `threads` inter-op threads (0:
-    TensorFlow's default); returns one result row."""
+    TensorFlow's default) and one of OPTIMIZERS; returns one result row."""
     import tensorflow as tf
     if threads:
         tf.config.threading.set_inter_op_parallelism_threads(threads)
@@ -91,7 +98,11 @@ def measure(model_name, checkpoints, steps, data, threads=0):
     logging.getLogger("memory_saving_gradients").addHandler(handler)
     logging.getLogger("memory_saving_gradients").setLevel(logging.INFO)
 
-    model, x, y = build(model_name)
+    if checkpoints == "memory, updates not waiting":
+        from memory_saving_gradients.tfgraph import update_waits
+        update_waits.wait_for_gradients = lambda gradients, ops: 0
+        checkpoints = "memory"
+    model, x, y = build(model_name, optimizer)
     if checkpoints == "direct":
         object.__setattr__(model, "train_step", _direct_train_step(model))
     meter = keras_models.step_meter()
@@ -158,10 +169,10 @@ def child_row(module, args, timeout, env=None):
     return json.loads(out.strip().splitlines()[-1])
 
 
-def run_child(model_name, method, steps, data, threads=0):
+def run_child(model_name, method, steps, data, threads=0, optimizer="adam"):
     return child_row("benchmarks.keras_fit",
                      ["--child", model_name, method, "--steps", str(steps), "--data", data,
-                      "--threads", str(threads)], timeout=900)
+                      "--threads", str(threads), "--optimizer", optimizer], timeout=900)
 
 
 def main(argv=None):
@@ -169,26 +180,28 @@ def main(argv=None):
     parser.add_argument("--models", default=",".join(MODELS),
                         help="of " + ", ".join(MODELS) + " or keras.applications names")
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--methods", default=";".join(METHODS),
+    parser.add_argument("--methods", default=";".join(DEFAULT_METHODS),
                         help="';'-separated; ratios are against the first")
     parser.add_argument("--data", choices=("arrays", "dataset"), default="arrays",
                         help="arrays: the batch static when traced; dataset: unknown")
     parser.add_argument("--threads", type=int, default=0,
                         help="inter-op threads (0: TensorFlow's default)")
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adam")
     parser.add_argument("--out", default=RESULTS)
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         print(json.dumps(measure(args.child[0], METHODS[args.child[1]], args.steps,
-                                 args.data, args.threads)))
+                                 args.data, args.threads, args.optimizer)))
         return
     rows = []
     for model_name in args.models.split(","):
         stock = None
         for method in args.methods.split(";"):
             row = {"model": model_name, "method": method, "data": args.data,
-                   "threads": args.threads,
-                   **run_child(model_name, method, args.steps, args.data, args.threads)}
+                   "threads": args.threads, "optimizer": args.optimizer,
+                   **run_child(model_name, method, args.steps, args.data, args.threads,
+                               args.optimizer)}
             stock = stock or row
             row.update(ratios(row, stock))
             rows.append(row)

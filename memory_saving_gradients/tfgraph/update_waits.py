@@ -1,0 +1,109 @@
+"""Making an optimizer's work that needs no gradient wait for the gradient it serves.
+
+An optimizer's update of a variable often starts with arithmetic that needs no
+gradient: momentum SGD's `m * momentum`, RMSprop's decay of its average,
+AdamW's weight decay. TF's executor runs an op as soon as its inputs exist, so
+all of it runs at the start of a training step, and each weight-sized result
+is kept until that variable's gradient comes, late in backprop: the step holds
+about one more copy of the weights (a weight decay assigned while backprop
+still reads the old value copies the variable). `wait_for_gradients` makes each
+such op wait for the one gradient it serves. Values do not change: the op reads
+what it read before, and reads and writes of a variable keep the order the
+function's automatic control dependencies give them.
+
+Which gradient an op serves is read from the optimizer's ops as the function
+will run them: data edges, control edges, and the order automatic control
+dependencies will put on the ops that use one variable (not yet added while
+the step is being traced): a read waits for the write before it, a write for
+every use since the write before it.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from memory_saving_gradients.tfgraph import compat
+from memory_saving_gradients.tfgraph import gradient_waits
+from memory_saving_gradients.tfgraph import purity
+
+# Ops that hand an input on unchanged: output k needs what input k needs.
+_PASS_THROUGH_OP_TYPES = frozenset({"Identity", "IdentityN"})
+
+
+def wait_for_gradients(gradients: list, ops: list) -> int:
+    """Makes each of `ops` that needs none of `gradients`, makes more than one
+    element, and leads to the update of exactly one gradient's variable wait
+    for that gradient. Returns how many ops now wait.
+
+    Args:
+      gradients: the weight gradients an optimizer was given (Tensors,
+        IndexedSlices or None), all made before `ops`.
+      ops: the ops the optimizer made with them, in the order they were made,
+        in a tf.function's graph (elsewhere nothing waits: only there do
+        automatic control dependencies keep each variable's reads and writes
+        in the order they were made).
+    """
+    if not ops or not compat.orders_stateful_ops(ops[0].graph):
+        return 0
+    needed_by = {}  # tensor ref -> indices of the gradients it needs
+    for index, gradient in enumerate(gradients):
+        for tensor in gradient_waits.gradient_tensors(gradient) if gradient is not None else ():
+            needed_by.setdefault(tensor.ref(), set()).add(index)
+    inside = set(ops)
+    before, after = _variable_order(ops)
+    needs = {}
+    for op in ops:
+        ins = [needed_by.get(t.ref(), set()) for t in op.inputs]
+        waits = set().union(*(needs[c] for c in op.control_inputs if c in inside),
+                            *(needs[p] for p in before[op]))
+        needs[op] = set().union(waits, *ins)
+        for k, out in enumerate(op.outputs):
+            needed_by[out.ref()] = (ins[k] | waits if op.type in _PASS_THROUGH_OP_TYPES
+                                    else needs[op])
+    serves = {}
+    for op in reversed(ops):
+        later = [c for out in op.outputs for c in out.consumers()]
+        later += compat.control_outputs(op) + after[op]
+        serves[op] = set().union(*(needs[c] or serves[c] for c in later if c in inside))
+    waiting = 0
+    for op in ops:
+        if needs[op] or len(serves[op]) != 1 or not _makes_more_than_one_element(op):
+            continue
+        (index,) = serves[op]
+        compat.add_control_input(op, gradient_waits.gradient_values(gradients[index]).op)
+        waiting += 1
+    return waiting
+
+
+def _variable_order(ops: list) -> tuple:
+    """For each op, the earlier and the later of `ops` that automatic control
+    dependencies will order it after and before, by the variables it uses."""
+    uses = {}  # resource tensor ref -> ops using it, in order
+    for op in ops:
+        for resource in {t.ref() for t in op.inputs if t.dtype == tf.resource}:
+            uses.setdefault(resource, []).append(op)
+    before = {op: [] for op in ops}
+    after = {op: [] for op in ops}
+    for chain in uses.values():
+        last_write, reads = None, []
+        for op in chain:
+            writes = _writes(op)
+            waits_for = ([last_write] if last_write else []) + (reads if writes else [])
+            for earlier in waits_for:
+                before[op].append(earlier)
+                after[earlier].append(op)
+            if writes:
+                last_write, reads = op, []
+            else:
+                reads.append(op)
+    return before, after
+
+
+def _writes(op: tf.Operation) -> bool:
+    return op.type not in purity.READ_OP_TYPES
+
+
+def _makes_more_than_one_element(op: tf.Operation) -> bool:
+    # Scalars (learning rates, step counts) are shared by every update and cost nothing.
+    return any(out.shape.num_elements() is None or out.shape.num_elements() > 1
+               for out in op.outputs)
