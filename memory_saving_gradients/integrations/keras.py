@@ -92,9 +92,10 @@ def _takes_each_weight_gradient(optimizer) -> bool:
     loss-scale check of every gradient, nor accumulation under a cond). tf_keras
     and a user's own train step are not assumed to (`enable` checks the step).
 
-    Slot arithmetic that needs no gradient (momentum's `m * momentum`, RMSprop's,
-    AdamW's decay) runs early and holds a weight-sized buffer per variable until
-    its gradient comes; neither count sees it (docs/planner.md, session 53)."""
+    Optimizer work that needs no gradient (momentum's `m * momentum`, RMSprop's,
+    AdamW's decay) would run early and hold a weight-sized buffer per variable
+    until its gradient came, which neither count sees; `enable` makes it wait
+    for that gradient (`_updates_wait_for_gradients`)."""
     return (optimizer is not None and compat.removes_identities()
             and not tf.distribute.has_strategy()
             and getattr(optimizer, "global_clipnorm", None) is None

@@ -28,6 +28,8 @@ from memory_saving_gradients.tfgraph import purity
 
 # Ops that hand an input on unchanged: output k needs what input k needs.
 _PASS_THROUGH_OP_TYPES = frozenset({"Identity", "IdentityN"})
+# A tf.function's first trace makes these where it creates variables.
+_CREATES_VARIABLES = frozenset({"VarHandleOp", "VarIsInitializedOp"})
 
 
 def wait_for_gradients(gradients: list, ops: list) -> int:
@@ -41,9 +43,13 @@ def wait_for_gradients(gradients: list, ops: list) -> int:
       ops: the ops the optimizer made with them, in the order they were made,
         in a tf.function's graph (elsewhere nothing waits: only there do
         automatic control dependencies keep each variable's reads and writes
-        in the order they were made).
+        in the order they were made). Nothing waits in the trace that creates
+        the optimizer's variables either: tf.function lifts their initial
+        values out of the graph, which a wait would tie to it (under XLA an
+        error); the trace after it, which runs every later step, waits.
     """
-    if not ops or not compat.orders_stateful_ops(ops[0].graph):
+    if (not ops or not compat.orders_stateful_ops(ops[0].graph)
+            or any(op.type in _CREATES_VARIABLES for op in ops)):
         return 0
     needed_by = {}  # tensor ref -> indices of the gradients it needs
     for index, gradient in enumerate(gradients):
