@@ -83,8 +83,9 @@ def _non_scalar_upstream(op, made) -> set:
 def test_each_op_waits_for_the_one_gradient_it_serves():
     """Momentum's decay of its slot and a weight decay written before the
     update wait for the variable's gradient (the second only through the
-    order of writes to the variable); scalars, ops that need a gradient and
-    ops that serve two gradients do not wait."""
+    order of writes to the variable); scalars, work that ends in a scalar
+    (a weight's norm), ops that need a gradient and ops that serve two
+    gradients do not wait."""
     x = tf.constant(np.linspace(0, 1, 16, dtype=np.float32).reshape(4, 4))
     v, u = tf.Variable(tf.ones([4, 4])), tf.Variable(tf.ones([4, 4]))
     m = tf.Variable(tf.zeros([4, 4]))
@@ -96,18 +97,21 @@ def test_each_op_waits_for_the_one_gradient_it_serves():
 
         def write():
             named["weight_decay"] = v.read_value() * 0.01
-            v.assign_sub(named["weight_decay"])
+            named["decay_write"] = v.assign_sub(named["weight_decay"], read_value=False)
             named["momentum_decay"] = m.read_value() * 0.9
             m.assign(named["momentum_decay"] - grads[0])
-            v.assign_sub(m.read_value() * tf.multiply(tf.constant(0.1), 2.0))
+            norm = tf.sqrt(tf.reduce_sum(tf.square(v.read_value())))  # ends in a scalar
+            v.assign_sub(m.read_value() * tf.multiply(tf.constant(0.1), 2.0) * norm)
             shared = tf.square(u.read_value())
             u.assign_sub(shared * grads[1] + shared * grads[0])
         made = made_by(write)
         waiting = update_waits.wait_for_gradients(grads, made)
         expected = (_non_scalar_upstream(named["weight_decay"].op, made)
-                    | _non_scalar_upstream(named["momentum_decay"].op, made))
+                    | _non_scalar_upstream(named["momentum_decay"].op, made)
+                    | {named["decay_write"]})
         assert sorted(op.type for op in expected) == [  # read_value: a read, an Identity
-            "Identity", "Identity", "Mul", "Mul", "ReadVariableOp", "ReadVariableOp"]
+            "AssignSubVariableOp", "Identity", "Identity", "Mul", "Mul", "ReadVariableOp",
+            "ReadVariableOp"]
         for op in made:
             assert (grads[0].op in op.control_inputs) == (op in expected), op
             assert grads[1].op not in op.control_inputs, op

@@ -33,9 +33,15 @@ _CREATES_VARIABLES = frozenset({"VarHandleOp", "VarIsInitializedOp"})
 
 
 def wait_for_gradients(gradients: list, ops: list) -> int:
-    """Makes each of `ops` that needs none of `gradients`, makes more than one
-    element, and leads to the update of exactly one gradient's variable wait
-    for that gradient. Returns how many ops now wait.
+    """Makes the ops of `ops` that would be kept waiting for one of
+    `gradients` wait for it before they run. Returns how many now wait.
+
+    Such an op needs none of `gradients`, leads to the update of exactly one
+    gradient's variable, and either writes a variable (a weight decay) or
+    makes more than one element that an op needing the gradient reads,
+    directly or through other such ops. Work that ends in a scalar (Lamb's
+    norm of a weight) is left to run early: there its result is small, and
+    made later its weight-sized temporaries would meet the step's peak.
 
     Args:
       gradients: the weight gradients an optimizer was given (Tensors,
@@ -51,12 +57,31 @@ def wait_for_gradients(gradients: list, ops: list) -> int:
     if (not ops or not compat.orders_stateful_ops(ops[0].graph)
             or any(op.type in _CREATES_VARIABLES for op in ops)):
         return 0
+    inside = set(ops)
+    before, after = _variable_order(ops)
+    needs = _needs(gradients, ops, inside, before)
+    serves = _serves(ops, inside, needs, after)
+    waiting = set()
+    for op in reversed(ops):
+        if needs[op] or len(serves[op]) != 1 or not op.inputs:
+            continue
+        if _writes_a_variable(op) or (_makes_more_than_one_element(op) and any(
+                needs[c] or c in waiting
+                for out in op.outputs for c in out.consumers() if c in inside)):
+            waiting.add(op)
+    for op in ops:
+        if op in waiting:
+            (index,) = serves[op]
+            compat.add_control_input(op, gradient_waits.gradient_values(gradients[index]).op)
+    return len(waiting)
+
+
+def _needs(gradients, ops, inside, before) -> dict:
+    """For each op, the indices of the gradients it cannot run without."""
     needed_by = {}  # tensor ref -> indices of the gradients it needs
     for index, gradient in enumerate(gradients):
         for tensor in gradient_waits.gradient_tensors(gradient) if gradient is not None else ():
             needed_by.setdefault(tensor.ref(), set()).add(index)
-    inside = set(ops)
-    before, after = _variable_order(ops)
     needs = {}
     for op in ops:
         ins = [needed_by.get(t.ref(), set()) for t in op.inputs]
@@ -66,19 +91,18 @@ def wait_for_gradients(gradients: list, ops: list) -> int:
         for k, out in enumerate(op.outputs):
             needed_by[out.ref()] = (ins[k] | waits if op.type in _PASS_THROUGH_OP_TYPES
                                     else needs[op])
+    return needs
+
+
+def _serves(ops, inside, needs, after) -> dict:
+    """For each op, the indices of the gradients needed by the first ops
+    after it (data, control, variable order) that need any."""
     serves = {}
     for op in reversed(ops):
         later = [c for out in op.outputs for c in out.consumers()]
         later += compat.control_outputs(op) + after[op]
         serves[op] = set().union(*(needs[c] or serves[c] for c in later if c in inside))
-    waiting = 0
-    for op in ops:
-        if needs[op] or len(serves[op]) != 1 or not _makes_more_than_one_element(op):
-            continue
-        (index,) = serves[op]
-        compat.add_control_input(op, gradient_waits.gradient_values(gradients[index]).op)
-        waiting += 1
-    return waiting
+    return serves
 
 
 def _variable_order(ops: list) -> tuple:
@@ -106,7 +130,13 @@ def _variable_order(ops: list) -> tuple:
 
 
 def _writes(op: tf.Operation) -> bool:
+    """Of an op using a variable: whether it may write it."""
     return op.type not in purity.READ_OP_TYPES
+
+
+def _writes_a_variable(op: tf.Operation) -> bool:
+    # Written while backprop still reads the old value, a variable is copied.
+    return _writes(op) and any(t.dtype == tf.resource for t in op.inputs)
 
 
 def _makes_more_than_one_element(op: tf.Operation) -> bool:
