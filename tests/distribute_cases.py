@@ -438,7 +438,7 @@ def test_keras_fit_with_checkpointing_callback_on_four_replicas_matches_stock(ca
     def fit(callbacks):
         with FOUR.scope():
             model = mirrored.build_model()
-            model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+            model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse")
         model.fit(inputs, targets, batch_size=16, epochs=1, shuffle=False, verbose=0,
                   callbacks=callbacks)
         return [w.numpy() for w in model.trainable_weights]

@@ -21,6 +21,7 @@ import logging
 import numpy as np
 import tensorflow as tf
 import tf_keras
+import memory_saving_gradients as msg
 import memory_saving_gradients.keras as msg_keras
 
 assert tf.keras is tf_keras or tf.keras.__name__.startswith("tf_keras"), tf.keras
@@ -52,6 +53,38 @@ assert any("recompute" in r for r in records), records
 assert not any("left to TensorFlow" in r for r in records), records
 for a, b in zip(stock, ours):
     np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+
+def own_loop(optimizer, checkpointing):
+    # A user's GradientTape step returning nothing, traced while checkpointing.
+    tf_keras.utils.set_random_seed(3)
+    model = tf_keras.Sequential([tf_keras.layers.Dense(32, activation="tanh"),
+                                 tf_keras.layers.Dense(4)])
+    model.build((None, 16))
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((model(x) - 0.5) ** 2)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(grads_and_vars=zip(grads, model.trainable_variables))
+    for _ in range(3):
+        if checkpointing:
+            with msg.checkpointing("memory"):
+                step(x)
+        else:
+            step(x)
+    return [v.numpy() for v in model.weights]
+
+logging.getLogger("memory_saving_gradients").setLevel(logging.DEBUG)
+# The legacy SGD's momentum is one fused op that reads the gradient: nothing waits.
+for make, waits in ((lambda: tf_keras.optimizers.SGD(0.1, momentum=0.9), True),
+                    (lambda: tf_keras.optimizers.legacy.SGD(0.1, momentum=0.9), False)):
+    del records[:]
+    ours = own_loop(make(), True)
+    waiting = [int(r.split()[1]) for r in records if "update wait" in r]
+    assert waiting and (waiting[-1] > 0) == waits, records
+    for a, b in zip(own_loop(make(), False), ours):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
 print("TF_KERAS_OK")
 """
 

@@ -17,7 +17,6 @@ import tensorflow as tf
 from memory_saving_gradients import api
 from memory_saving_gradients.integrations import patching
 from memory_saving_gradients.tfgraph import compat
-from memory_saving_gradients.tfgraph import update_waits
 
 logger = logging.getLogger("memory_saving_gradients")
 
@@ -75,7 +74,7 @@ def enable(model, checkpoints="memory") -> None:
         with patching.checkpointing(checkpoints), (
                 api.weight_gradients_taken()
                 if keras_own_step and _takes_each_weight_gradient(model.optimizer)
-                else contextlib.nullcontext()), _updates_wait_for_gradients(model.optimizer):
+                else contextlib.nullcontext()):
             return step(data)
 
     object.__setattr__(model, "train_step", train_step)
@@ -94,44 +93,13 @@ def _takes_each_weight_gradient(optimizer) -> bool:
 
     Optimizer work that needs no gradient (momentum's `m * momentum`, RMSprop's,
     AdamW's decay) would run early and hold a weight-sized buffer per variable
-    until its gradient came, which neither count sees; `enable` makes it wait
-    for that gradient (`_updates_wait_for_gradients`)."""
+    until its gradient came, which neither count sees; while the step is
+    traced it waits for that gradient (integrations/optimizer_waits.py)."""
     return (optimizer is not None and compat.removes_identities()
             and not tf.distribute.has_strategy()
             and getattr(optimizer, "global_clipnorm", None) is None
             and not getattr(optimizer, "gradient_accumulation_steps", None)
             and not any(c.__name__ == "LossScaleOptimizer" for c in type(optimizer).__mro__))
-
-
-@contextlib.contextmanager
-def _updates_wait_for_gradients(optimizer):
-    """While a step is traced, the work `optimizer` does for each variable
-    without its gradient waits for that gradient (tfgraph/update_waits.py):
-    else it runs at the step's start and holds a weight-sized buffer per
-    variable through backprop. Not under a distribution strategy, whose
-    replicas trace into one graph at once, nor where the step runs eagerly."""
-    method = "apply" if hasattr(optimizer, "apply") else "apply_gradients"
-    stock = getattr(optimizer, method, None)
-    if (stock is None or method in vars(optimizer) or tf.executing_eagerly()
-            or tf.distribute.has_strategy()):
-        yield
-        return
-
-    def waiting(grads, *args, **kwargs):
-        grads = list(grads)
-        graph = tf.compat.v1.get_default_graph()
-        first = len(graph.get_operations())
-        result = stock(grads, *args, **kwargs)
-        made = graph.get_operations()[first:]
-        gradients = ([g for g, _ in grads] if method == "apply_gradients" else grads)
-        update_waits.wait_for_gradients(gradients, made)
-        return result
-
-    object.__setattr__(optimizer, method, waiting)
-    try:
-        yield
-    finally:
-        object.__delattr__(optimizer, method)
 
 
 def disable(model) -> None:

@@ -7,7 +7,8 @@ The classic one-liner still works::
 These helpers do the same for tf.gradients, tf.compat.v1.gradients and the
 function the TF1 optimizers call (`Optimizer.compute_gradients`), route
 `tf.GradientTape.gradient` inside tf.function through the same mode (see
-integrations/tape.py), and put the originals back.
+integrations/tape.py), make a Keras optimizer's update in a traced step wait
+for its gradients (integrations/optimizer_waits.py), and put the originals back.
 
 Which mode is in force is asked per thread, because tf.distribute traces each
 replica of `strategy.run` in a thread of its own: a patch made in the main
@@ -27,6 +28,7 @@ from typing import Callable, Dict, List, Optional
 import tensorflow as tf
 
 from memory_saving_gradients import api
+from memory_saving_gradients.integrations import optimizer_waits
 from memory_saving_gradients.integrations import tape
 from memory_saving_gradients.tfgraph import compat
 
@@ -76,6 +78,7 @@ class _Patches:
         self._originals = [getattr(module, name) for module, name in _TARGETS]
         for (module, name), original in zip(_TARGETS, self._originals):
             setattr(module, name, _dispatcher(original))
+        optimizer_waits.install(active_checkpoints)
 
     def _uninstall(self) -> None:
         for (module, name), original in zip(_TARGETS, self._originals):
@@ -83,6 +86,7 @@ class _Patches:
             if getattr(getattr(module, name), "_replaces", None) is original:
                 setattr(module, name, original)
         self._originals = []
+        optimizer_waits.uninstall()
 
 
 _patches = _Patches()

@@ -76,6 +76,39 @@ def wait_for_gradients(gradients: list, ops: list) -> int:
     return len(waiting)
 
 
+def pass_gradients_straight(gradients: list, ops: list) -> int:
+    """Makes the ops of `ops` that read the gradients through an `IdentityN`
+    over several of them read the gradients themselves. Returns how many
+    `IdentityN` are passed by.
+
+    Keras's optimizers gather the gradients so (the default replica context's
+    all-reduce): no update can start before every gradient is made, so all of
+    them are held at once. Grappler's dependency optimizer removes it, but
+    only in a function that returns a value, as `fit`'s step does; a training
+    step returning nothing keeps it. Values do not change: an `IdentityN`
+    hands each input on as it is. Same conditions as `wait_for_gradients`.
+    """
+    if (not ops or not compat.orders_stateful_ops(ops[0].graph)
+            or any(op.type in _CREATES_VARIABLES for op in ops)):
+        return 0
+    gradient_refs = {t.ref() for g in gradients if g is not None
+                     for t in gradient_waits.gradient_tensors(g)}
+    inside = set(ops)
+    passed = 0
+    for op in ops:
+        if (op.type != "IdentityN" or len(op.inputs) < 2
+                or not all(t.ref() in gradient_refs for t in op.inputs)):
+            continue
+        for given, out in zip(op.inputs, op.outputs):
+            for consumer in out.consumers():
+                if consumer in inside:
+                    for index, read in enumerate(consumer.inputs):
+                        if read is out:
+                            compat.replace_input(consumer, index, given)
+        passed += 1
+    return passed
+
+
 def _needs(gradients, ops, inside, before) -> dict:
     """For each op, the indices of the gradients it cannot run without."""
     needed_by = {}  # tensor ref -> indices of the gradients it needs

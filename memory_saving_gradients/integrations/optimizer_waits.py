@@ -1,0 +1,126 @@
+"""Optimizer updates that wait for their gradients, in every checkpointed step.
+
+While checkpointing is in force for the calling thread (`patch_tf_gradients`,
+`checkpointing`, or a step `memory_saving_gradients.keras` checkpoints) and a
+tf.function is being traced, a Keras optimizer's update (Keras 3's `apply`,
+which `apply_gradients` and `minimize` call; tf_keras's `apply_gradients`)
+makes its work that needs no gradient wait for the gradient it serves
+(tfgraph/update_waits.py): else momentum SGD's `m * momentum`, RMSprop's
+decayed average and AdamW's weight decay run at the step's start and hold a
+weight-sized buffer per variable through backprop. That holds for the user's
+own training loop as for `fit`. Values do not change.
+
+Nothing waits where the step runs eagerly, under a distribution strategy
+(whose replicas trace into one graph at once), or for gradients that are not
+tensors of the traced graph (accumulated gradients kept in variables).
+
+`install()` wraps those methods when the first patch begins, `uninstall()`
+puts them back when the last one ends (integrations/patching.py). tf_keras is
+wrapped only if imported by then.
+"""
+
+import functools
+import importlib
+import inspect
+import logging
+import sys
+import threading
+from typing import Callable, List, Optional, Tuple
+
+import tensorflow as tf
+
+from memory_saving_gradients.tfgraph import update_waits
+
+logger = logging.getLogger("memory_saving_gradients")
+
+_stock = {}  # (class, method name) -> the method we wrapped
+_state = {"active": lambda: None}
+_local = threading.local()  # .updating: inside a wrapped update already
+
+
+def install(active: Callable[[], Optional[object]]) -> None:
+    """Wraps the optimizers' update methods; `active()` gives the checkpoints
+    in force for the calling thread, or None."""
+    _state["active"] = active
+    for cls, name in _update_methods():
+        if (cls, name) not in _stock:
+            _stock[cls, name] = cls.__dict__[name]
+            setattr(cls, name, _waiting(_stock[cls, name], takes_pairs=name == "apply_gradients"))
+
+
+def uninstall() -> None:
+    """Puts back every method `install` wrapped."""
+    for (cls, name), stock in _stock.items():
+        if getattr(cls.__dict__.get(name), "_replaces", None) is stock:
+            setattr(cls, name, stock)
+    _stock.clear()
+
+
+def _update_methods() -> List[Tuple[type, str]]:
+    """The classes (and their method) that apply a Keras optimizer's gradients."""
+    found = []
+    keras = _module("keras")
+    if keras is not None:
+        found.append((_defining(keras.optimizers.Optimizer, "apply"), "apply"))
+    tf_keras = sys.modules.get("tf_keras")
+    if tf_keras is not None:
+        found += [(tf_keras.optimizers.Optimizer, "apply_gradients"),
+                  (tf_keras.optimizers.legacy.Optimizer, "apply_gradients")]
+    return found
+
+
+def _module(name: str):
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
+
+
+def _defining(cls: type, name: str) -> type:
+    """The class of `cls`'s MRO whose own `name` `cls` uses."""
+    return next(c for c in cls.__mro__ if name in c.__dict__)
+
+
+def _waiting(stock: Callable, takes_pairs: bool) -> Callable:
+    """`stock` (an optimizer's update taking gradients, or (gradient, variable)
+    pairs, first), making the ops it adds wait where `_waits_here`."""
+    signature = inspect.signature(stock)
+    first = list(signature.parameters)[1]  # after self: grads, or grads_and_vars
+
+    @functools.wraps(stock)
+    def update(*args, **kwargs):
+        if getattr(_local, "updating", False) or not _waits_here():
+            return stock(*args, **kwargs)
+        bound = signature.bind(*args, **kwargs)
+        given = bound.arguments[first] = list(bound.arguments[first])  # often a zip
+        graph = tf.compat.v1.get_default_graph()
+        start = len(graph.get_operations())
+        _local.updating = True  # tf_keras subclasses reach the base class's update
+        try:
+            result = stock(*bound.args, **bound.kwargs)
+        finally:
+            _local.updating = False
+        gradients = [_of_graph(g, graph) for g in ([g for g, _ in given] if takes_pairs
+                                                    else given)]
+        made = graph.get_operations()[start:]
+        update_waits.pass_gradients_straight(gradients, made)
+        waiting = update_waits.wait_for_gradients(gradients, made)
+        logger.debug("memory_saving_gradients: %d ops of %s's update wait for their gradient",
+                     waiting, type(args[0]).__name__)
+        return result
+
+    update._replaces = stock  # pylint: disable=protected-access
+    return update
+
+
+def _waits_here() -> bool:
+    return (_state["active"]() is not None and not tf.executing_eagerly()
+            and not tf.distribute.has_strategy())
+
+
+def _of_graph(gradient, graph: tf.Graph):
+    """`gradient` if it is a Tensor or IndexedSlices of `graph`, else None
+    (a variable, a value from outside): nothing is made to wait for it."""
+    values = gradient.values if isinstance(gradient, tf.IndexedSlices) else gradient
+    # An eager tensor has no graph: its `graph` raises AttributeError.
+    return gradient if getattr(values, "graph", None) is graph else None
