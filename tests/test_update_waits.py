@@ -9,6 +9,7 @@ weights through backprop.
 import contextlib
 import logging
 import re
+from unittest import mock
 
 import keras
 import numpy as np
@@ -257,6 +258,23 @@ def _non_scalar_upstream(op, made) -> set:
             found.add(op)
             todo.extend(t.op for t in op.inputs)
     return found
+
+
+def test_the_optimizer_class_is_its_own_again_after_other_code_wrapped_it_meanwhile():
+    """Code that wraps `apply` inside a checkpointing block and puts back what
+    it found (our wrapper) after the block: the next block's end leaves the
+    class as it was, wrapped once at most in between."""
+    stock_apply = keras.optimizers.Optimizer.apply
+    defining = next(c for c in keras.optimizers.Optimizer.__mro__ if "apply" in vars(c))
+    with msg.checkpointing("memory"):
+        ours = vars(defining)["apply"]
+        other = mock.patch.object(defining, "apply", lambda self, *a, **k: ours(self, *a, **k))
+        other.start()
+    other.stop()
+    assert vars(defining)["apply"] is ours
+    with msg.checkpointing("memory"):
+        assert vars(defining)["apply"] is ours
+    assert keras.optimizers.Optimizer.apply is stock_apply
 
 
 def test_each_op_waits_for_the_one_gradient_it_serves():

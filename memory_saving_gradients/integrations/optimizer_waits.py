@@ -49,11 +49,14 @@ def install(active: Callable[[], Optional[object]]) -> None:
 
 
 def uninstall() -> None:
-    """Puts back every method `install` wrapped."""
-    for (cls, name), stock in _stock.items():
+    """Puts back every method `install` wrapped. One that other code has
+    wrapped since is left, and put back by a later call once that code has
+    restored our wrapper (else the class would keep it for good, and the next
+    `install` would wrap it again)."""
+    for (cls, name), stock in list(_stock.items()):
         if getattr(cls.__dict__.get(name), "_replaces", None) is stock:
             setattr(cls, name, stock)
-    _stock.clear()
+            del _stock[cls, name]
 
 
 def _update_methods() -> List[Tuple[type, str]]:
