@@ -169,49 +169,60 @@ def child_row(module, args, timeout, env=None):
     return json.loads(out.strip().splitlines()[-1])
 
 
-def run_child(model_name, method, steps, data, threads=0, optimizer="adam"):
-    return child_row("benchmarks.keras_fit",
-                     ["--child", model_name, method, "--steps", str(steps), "--data", data,
-                      "--threads", str(threads), "--optimizer", optimizer], timeout=900)
+def add_step_arguments(parser, methods, optimizer):
+    """The arguments of a step's measurement that this benchmark and own_loop share."""
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--methods", default=";".join(methods),
+                        help="';'-separated; ratios are against the first")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="inter-op threads (0: TensorFlow's default)")
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default=optimizer)
+    parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+
+
+def measured_rows(module, args, variant):
+    """Runs `python -m <module> --child MODEL METHOD ...` for each model and
+    method of `args`, passing on the steps, threads, optimizer and the
+    argument named `variant` (the kind of step); prints each row beside the
+    model's first method and returns the rows."""
+    rows = []
+    for model_name in args.models.split(","):
+        stock = None
+        for method in args.methods.split(";"):
+            row = {"model": model_name, "method": method, variant: getattr(args, variant),
+                   "threads": args.threads, "optimizer": args.optimizer,
+                   **child_row(module, ["--child", model_name, method,
+                                        "--steps", str(args.steps),
+                                        f"--{variant}", getattr(args, variant),
+                                        "--threads", str(args.threads),
+                                        "--optimizer", args.optimizer], timeout=900)}
+            stock = stock or row
+            row.update(ratios(row, stock))
+            rows.append(row)
+            planner = row.get("simulated_ratio")
+            print(f"{model_name:16} {method:48} peak {row['peak_mib']:7.1f} MiB "
+                  f"x{row['peak_ratio']:.2f}, activations x{row['activation_ratio']:.2f} "
+                  f"(planner {planner if planner is not None else '-'}) "
+                  f"step {row['step_s']:.3f} s x{row['time_ratio']:.2f}", flush=True)
+    return rows
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS),
                         help="of " + ", ".join(MODELS) + " or keras.applications names")
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--methods", default=";".join(DEFAULT_METHODS),
-                        help="';'-separated; ratios are against the first")
     parser.add_argument("--data", choices=("arrays", "dataset"), default="arrays",
                         help="arrays: the batch static when traced; dataset: unknown")
-    parser.add_argument("--threads", type=int, default=0,
-                        help="inter-op threads (0: TensorFlow's default)")
-    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adam")
     parser.add_argument("--out", default=RESULTS)
-    parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    add_step_arguments(parser, DEFAULT_METHODS, "adam")
     args = parser.parse_args(argv)
     if args.child:
         print(json.dumps(measure(args.child[0], METHODS[args.child[1]], args.steps,
                                  args.data, args.threads, args.optimizer)))
         return
-    rows = []
-    for model_name in args.models.split(","):
-        stock = None
-        for method in args.methods.split(";"):
-            row = {"model": model_name, "method": method, "data": args.data,
-                   "threads": args.threads, "optimizer": args.optimizer,
-                   **run_child(model_name, method, args.steps, args.data, args.threads,
-                               args.optimizer)}
-            stock = stock or row
-            row.update(ratios(row, stock))
-            rows.append(row)
-            print(f"{model_name:5} {method:28} peak {row['peak_mib']:7.1f} MiB "
-                  f"x{row['peak_ratio']:.2f}, activations x{row['activation_ratio']:.2f} (planner "
-                  f"{row['simulated_ratio'] if row['simulated_ratio'] is not None else '-'}) "
-                  f"step {row['step_s']:.3f} s x{row['time_ratio']:.2f}", flush=True)
+    rows = measured_rows("benchmarks.keras_fit", args, "data")
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump({"rows": rows}, f, indent=1)
-
 
 if __name__ == "__main__":
     main()

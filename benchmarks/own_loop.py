@@ -77,40 +77,17 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="EfficientNetV2B0,MobileNetV3Large",
                         help="keras_fit's models or keras.applications names")
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--methods", default=";".join(METHODS),
-                        help="';'-separated; ratios are against the first")
     parser.add_argument("--returns", choices=("nothing", "loss"), default="nothing")
-    parser.add_argument("--threads", type=int, default=0,
-                        help="inter-op threads (0: TensorFlow's default)")
-    parser.add_argument("--optimizer", choices=keras_fit.OPTIMIZERS, default="sgd-momentum")
     parser.add_argument("--out", default=RESULTS)
-    parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    keras_fit.add_step_arguments(parser, METHODS, "sgd-momentum")
     args = parser.parse_args(argv)
     if args.child:
         print(json.dumps(measure(args.child[0], METHODS[args.child[1]], args.steps,
                                  args.returns, args.threads, args.optimizer)))
         return
-    rows = []
-    for model_name in args.models.split(","):
-        stock = None
-        for method in args.methods.split(";"):
-            row = {"model": model_name, "method": method, "returns": args.returns,
-                   "threads": args.threads, "optimizer": args.optimizer,
-                   **keras_fit.child_row(
-                       "benchmarks.own_loop",
-                       ["--child", model_name, method, "--steps", str(args.steps),
-                        "--returns", args.returns, "--threads", str(args.threads),
-                        "--optimizer", args.optimizer], timeout=900)}
-            stock = stock or row
-            row.update(keras_fit.ratios(row, stock))
-            rows.append(row)
-            print(f"{model_name:16} {method:40} peak {row['peak_mib']:7.1f} MiB "
-                  f"x{row['peak_ratio']:.2f} step {row['step_s']:.3f} s "
-                  f"x{row['time_ratio']:.2f}", flush=True)
+    rows = keras_fit.measured_rows("benchmarks.own_loop", args, "returns")
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump({"rows": rows}, f, indent=1)
-
 
 if __name__ == "__main__":
     main()
