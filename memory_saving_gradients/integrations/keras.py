@@ -84,19 +84,20 @@ def enable(model, checkpoints="memory") -> None:
 
 def _takes_each_weight_gradient(optimizer) -> bool:
     """Whether Keras 3's own train step, being traced, applies each weight
-    gradient as it is made: with Grappler's dependency optimizer on (it removes
-    the IdentityN the optimizer puts over them all), outside a distribution
-    strategy (whose all-reduce takes them together), with an optimizer that
-    updates each variable from its own gradient (not a global-norm clip, a
-    loss-scale check of every gradient, nor accumulation under a cond). tf_keras
-    and a user's own train step are not assumed to (`enable` checks the step).
+    gradient as it is made: outside a distribution strategy (whose all-reduce
+    takes them together), with an optimizer that updates each variable from
+    its own gradient (not a global-norm clip, a loss-scale check of every
+    gradient, nor accumulation under a cond). The `IdentityN` Keras puts over
+    all of them is passed by as the step is traced (integrations/
+    optimizer_waits.py; Grappler's dependency optimizer removes it too, but
+    only where on). tf_keras and a user's own train step are not assumed to
+    (`enable` checks the step).
 
     Optimizer work that needs no gradient (momentum's `m * momentum`, RMSprop's,
     AdamW's decay) would run early and hold a weight-sized buffer per variable
     until its gradient came, which neither count sees; while the step is
     traced it waits for that gradient (integrations/optimizer_waits.py)."""
-    return (optimizer is not None and compat.removes_identities()
-            and not tf.distribute.has_strategy()
+    return (optimizer is not None and not tf.distribute.has_strategy()
             and getattr(optimizer, "global_clipnorm", None) is None
             and not getattr(optimizer, "gradient_accumulation_steps", None)
             and not any(c.__name__ == "LossScaleOptimizer" for c in type(optimizer).__mro__))

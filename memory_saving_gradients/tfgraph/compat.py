@@ -111,16 +111,6 @@ def folds_constants(graph) -> bool:
             and not options.get("disable_meta_optimizer", False))
 
 
-def removes_identities() -> bool:
-    """Whether Grappler's dependency optimizer runs on tf.functions: it removes
-    the IdentityN that Keras 3's optimizer puts over every weight gradient, so
-    each update can run once its own gradient is made (docs/planner.md, session
-    53; with it off the step holds them all)."""
-    options = tf.config.optimizer.get_experimental_options()
-    return (options.get("dependency_optimization", True)
-            and not options.get("disable_meta_optimizer", False))
-
-
 def tape_would_record(tensors) -> bool:
     """True if a recording (not paused) GradientTape watches one of `tensors`."""
     return record.should_record_backprop(tensors)
