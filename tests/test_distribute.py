@@ -205,6 +205,23 @@ def test_main_thread_patch_holds_in_other_threads_under_their_own():
     assert tf.gradients is UNPATCHED
 
 
+def test_a_thread_that_ends_patched_leaves_no_patch_behind():
+    """Its patch is forgotten, the originals are back, and a later thread
+    (which the OS may give the ended one's id) is not patched."""
+    import keras
+    stock_apply = keras.optimizers.Optimizer.apply
+    seen = []
+    ended = threading.Thread(target=lambda: msg.patch_tf_gradients("memory"))
+    ended.start()
+    ended.join(timeout=60)
+    later = threading.Thread(target=lambda: seen.append(active_checkpoints()))
+    later.start()
+    later.join(timeout=60)
+    assert seen == [None]
+    assert tf.gradients is UNPATCHED and active_checkpoints() is None
+    assert keras.optimizers.Optimizer.apply is stock_apply
+
+
 def test_a_function_put_in_place_by_the_user_is_left_alone():
     mine = msg.gradients_speed
     msg.patch_tf_gradients("memory")

@@ -41,38 +41,51 @@ class _Patches:
 
     Every method holds the lock: replica threads enter and leave patches
     interleaved (a replica pauses at each merge_call while the next runs).
+    Stacks are kept by thread object, not thread id (the OS gives an ended
+    thread's id to new ones), and a thread that ended without undoing its
+    patches loses them at the next call.
     """
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._stacks: Dict[int, List[object]] = {}  # thread ident -> its stack
+        self._stacks: Dict[threading.Thread, List[object]] = {}  # thread -> its stack
         self._originals: List[Callable] = []  # what the dispatchers replaced
 
     def push(self, checkpoints) -> None:
         with self._lock:
+            self._forget_ended_threads()
             if not self._stacks:
                 self._install()
-            self._stacks.setdefault(threading.get_ident(), []).append(checkpoints)
+            self._stacks.setdefault(threading.current_thread(), []).append(checkpoints)
 
     def pop(self) -> None:
         with self._lock:
-            stack = self._stacks.get(threading.get_ident())
+            self._forget_ended_threads()
+            stack = self._stacks.get(threading.current_thread())
             if not stack:
                 raise RuntimeError(
                     "tf.gradients is not patched by memory_saving_gradients in this "
                     "thread; call patch_tf_gradients() first (in the same thread)")
             stack.pop()
             if not stack:
-                del self._stacks[threading.get_ident()]
+                del self._stacks[threading.current_thread()]
             if not self._stacks:
                 self._uninstall()
 
     def active(self) -> Optional[object]:
         with self._lock:
-            for ident in (threading.get_ident(), threading.main_thread().ident):
-                if self._stacks.get(ident):
-                    return self._stacks[ident][-1]
+            self._forget_ended_threads()
+            for thread in (threading.current_thread(), threading.main_thread()):
+                if self._stacks.get(thread):
+                    return self._stacks[thread][-1]
             return None
+
+    def _forget_ended_threads(self) -> None:
+        ended = [thread for thread in self._stacks if not thread.is_alive()]
+        for thread in ended:
+            del self._stacks[thread]
+        if ended and not self._stacks:
+            self._uninstall()
 
     def _install(self) -> None:
         self._originals = [getattr(module, name) for module, name in _TARGETS]
