@@ -222,6 +222,23 @@ def test_a_thread_that_ends_patched_leaves_no_patch_behind():
     assert keras.optimizers.Optimizer.apply is stock_apply
 
 
+def test_the_main_threads_patch_holds_while_the_interpreter_shuts_down(monkeypatch):
+    """Then the main thread reads as ended; other threads and atexit
+    handlers still run, and its patch still holds for them."""
+    msg.patch_tf_gradients("memory")
+    try:
+        monkeypatch.setattr(threading.main_thread(), "is_alive", lambda: False)
+        seen = []
+        thread = threading.Thread(target=lambda: seen.append(active_checkpoints()))
+        thread.start()
+        thread.join(timeout=60)
+        assert seen == ["memory"] and active_checkpoints() == "memory"
+    finally:
+        monkeypatch.undo()
+        msg.unpatch_tf_gradients()
+    assert tf.gradients is UNPATCHED
+
+
 def test_a_function_put_in_place_by_the_user_is_left_alone():
     mine = msg.gradients_speed
     msg.patch_tf_gradients("memory")

@@ -119,8 +119,8 @@ def test_own_training_loop_holds_no_copy_of_the_weights_for_updates_yet_to_come(
 
 
 def test_updates_read_each_gradient_past_an_identity_n_over_them_all():
-    """An IdentityN over gradients is passed by; one that also hands on
-    something else is left."""
+    """An IdentityN over gradients, or over what each one was made into (a
+    clip), is passed by; one that also hands on something else is left."""
     v, u = tf.Variable(tf.ones([4, 4])), tf.Variable(tf.ones([4, 4]))
     checked = []
 
@@ -130,12 +130,15 @@ def test_updates_read_each_gradient_past_an_identity_n_over_them_all():
 
         def write():
             named["over_gradients"] = tf.identity_n(grads)
+            named["over_clipped"] = tf.identity_n([tf.clip_by_norm(g, 1.0) for g in grads])
             named["mixed"] = tf.identity_n([grads[0], v.read_value()])
-            v.assign_sub(named["over_gradients"][0] + named["mixed"][0])
-            u.assign_sub(named["over_gradients"][1] * named["mixed"][1])
+            v.assign_sub(named["over_gradients"][0] + named["mixed"][0]
+                         + named["over_clipped"][0])
+            u.assign_sub(named["over_gradients"][1] * named["mixed"][1]
+                         + named["over_clipped"][1])
         made = made_by(write)
-        assert update_waits.pass_gradients_straight(grads, made) == 1
-        for out in named["over_gradients"]:
+        assert update_waits.pass_gradients_straight(grads, made) == 2
+        for out in named["over_gradients"] + named["over_clipped"]:
             assert not out.consumers()
         assert named["mixed"][0].consumers() and named["mixed"][1].consumers()
         checked.append(True)
@@ -275,6 +278,21 @@ def test_the_optimizer_class_is_its_own_again_after_other_code_wrapped_it_meanwh
     with msg.checkpointing("memory"):
         assert vars(defining)["apply"] is ours
     assert keras.optimizers.Optimizer.apply is stock_apply
+
+
+def test_a_block_wraps_the_optimizer_again_after_other_code_put_the_plain_method_back():
+    """A spy put on `apply` before a block and taken off inside it (restoring
+    the plain method): the next block's steps wait again."""
+    defining = next(c for c in keras.optimizers.Optimizer.__mro__ if "apply" in vars(c))
+    plain = vars(defining)["apply"]
+    spy = mock.patch.object(defining, "apply", autospec=True, side_effect=plain)
+    spy.start()
+    with msg.checkpointing("memory"):
+        spy.stop()
+    assert vars(defining)["apply"] is plain
+    with msg.checkpointing("memory"):
+        assert vars(defining)["apply"]._replaces is plain  # pylint: disable=protected-access
+    assert vars(defining)["apply"] is plain
 
 
 def test_each_op_waits_for_the_one_gradient_it_serves():

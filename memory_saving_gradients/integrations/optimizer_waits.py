@@ -33,30 +33,37 @@ from memory_saving_gradients.tfgraph import update_waits
 
 logger = logging.getLogger("memory_saving_gradients")
 
-_stock = {}  # (class, method name) -> the method we wrapped
 _state = {"active": lambda: None}
 _local = threading.local()  # .updating: inside a wrapped update already
+_OURS = "_memory_saving_gradients_waits"  # marks our wrappers
 
 
 def install(active: Callable[[], Optional[object]]) -> None:
-    """Wraps the optimizers' update methods; `active()` gives the checkpoints
-    in force for the calling thread, or None."""
+    """Wraps the optimizers' update methods (whatever stands there, unless it
+    is our wrapper); `active()` gives the checkpoints in force for the
+    calling thread, or None."""
     _state["active"] = active
     for cls, name in _update_methods():
-        if (cls, name) not in _stock:
-            _stock[cls, name] = cls.__dict__[name]
-            setattr(cls, name, _waiting(_stock[cls, name], takes_pairs=name == "apply_gradients"))
+        current = cls.__dict__[name]
+        if not _is_ours(current):
+            setattr(cls, name, _waiting(current, takes_pairs=name == "apply_gradients"))
 
 
 def uninstall() -> None:
-    """Puts back every method `install` wrapped. One that other code has
-    wrapped since is left, and put back by a later call once that code has
-    restored our wrapper (else the class would keep it for good, and the next
-    `install` would wrap it again)."""
-    for (cls, name), stock in list(_stock.items()):
-        if getattr(cls.__dict__.get(name), "_replaces", None) is stock:
-            setattr(cls, name, stock)
-            del _stock[cls, name]
+    """Takes our wrappers off the update methods. A method other code put over
+    ours is left (ours inside it acts only while a patch is in force); the
+    next call takes ours off once that code has put it back."""
+    for cls, name in _update_methods():
+        current = cls.__dict__.get(name)
+        if _is_ours(current):
+            while _is_ours(current):
+                current = current._replaces  # pylint: disable=protected-access
+            setattr(cls, name, current)
+
+
+def _is_ours(method) -> bool:
+    # `is True`: a Mock standing there answers every attribute with a truthy Mock.
+    return getattr(method, _OURS, False) is True
 
 
 def _update_methods() -> List[Tuple[type, str]]:
@@ -113,6 +120,7 @@ def _waiting(stock: Callable, takes_pairs: bool) -> Callable:
         return result
 
     update._replaces = stock  # pylint: disable=protected-access
+    setattr(update, _OURS, True)
     return update
 
 

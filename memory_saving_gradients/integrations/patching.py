@@ -42,8 +42,12 @@ class _Patches:
     Every method holds the lock: replica threads enter and leave patches
     interleaved (a replica pauses at each merge_call while the next runs).
     Stacks are kept by thread object, not thread id (the OS gives an ended
-    thread's id to new ones), and a thread that ended without undoing its
-    patches loses them at the next call.
+    thread's id to new ones), and a thread started by `threading` that ended
+    without undoing its patches loses them at the next call. The main
+    thread's are kept to the end (it reads as ended while the interpreter
+    shuts down, when other threads and atexit handlers may still run); a
+    thread started outside `threading` has one object for its id, whatever
+    thread holds the id, and reads as alive, so its patches stay.
     """
 
     def __init__(self):
@@ -81,7 +85,8 @@ class _Patches:
             return None
 
     def _forget_ended_threads(self) -> None:
-        ended = [thread for thread in self._stacks if not thread.is_alive()]
+        ended = [thread for thread in self._stacks
+                 if thread is not threading.main_thread() and not thread.is_alive()]
         for thread in ended:
             del self._stacks[thread]
         if ended and not self._stacks:

@@ -77,16 +77,19 @@ def wait_for_gradients(gradients: list, ops: list) -> int:
 
 
 def pass_gradients_straight(gradients: list, ops: list) -> int:
-    """Makes the ops of `ops` that read the gradients through an `IdentityN`
-    over several of them read the gradients themselves. Returns how many
-    `IdentityN` are passed by.
+    """Makes the ops of `ops` that read gradients through an `IdentityN` over
+    several of them read them past it. Returns how many `IdentityN` are
+    passed by.
 
     Keras's optimizers gather the gradients so (the default replica context's
-    all-reduce): no update can start before every gradient is made, so all of
-    them are held at once. Grappler's dependency optimizer removes it, but
-    only in a function that returns a value, as `fit`'s step does; a training
-    step returning nothing keeps it. Values do not change: an `IdentityN`
-    hands each input on as it is. Same conditions as `wait_for_gradients`.
+    all-reduce, after any `clipnorm`, `clipvalue` or loss-scale division of
+    each): no update can start before every gradient is made, so all of them
+    are held at once. Grappler's dependency optimizer removes it, but only in
+    a function that returns a value, as `fit`'s step does; a training step
+    returning nothing keeps it. An `IdentityN` is passed by where each of its
+    inputs is a gradient or is made from one by `ops`. Values do not change:
+    an `IdentityN` hands each input on as it is. Same conditions as
+    `wait_for_gradients`.
     """
     if (not ops or not compat.orders_stateful_ops(ops[0].graph)
             or any(op.type in _CREATES_VARIABLES for op in ops)):
@@ -94,10 +97,15 @@ def pass_gradients_straight(gradients: list, ops: list) -> int:
     gradient_refs = {t.ref() for g in gradients if g is not None
                      for t in gradient_waits.gradient_tensors(g)}
     inside = set(ops)
+    needs = _needs(gradients, ops, inside, _variable_order(ops)[0])
+
+    def from_a_gradient(tensor):
+        return tensor.ref() in gradient_refs or (tensor.op in inside and needs[tensor.op])
+
     passed = 0
     for op in ops:
         if (op.type != "IdentityN" or len(op.inputs) < 2
-                or not all(t.ref() in gradient_refs for t in op.inputs)):
+                or not all(from_a_gradient(t) for t in op.inputs)):
             continue
         for given, out in zip(op.inputs, op.outputs):
             for consumer in out.consumers():
