@@ -54,8 +54,7 @@ def wait_for_gradients(gradients: list, ops: list) -> int:
         values out of the graph, which a wait would tie to it (under XLA an
         error); the trace after it, which runs every later step, waits.
     """
-    if (not ops or not compat.orders_stateful_ops(ops[0].graph)
-            or any(op.type in _CREATES_VARIABLES for op in ops)):
+    if not _may_reorder(ops):
         return 0
     inside = set(ops)
     before, after = _variable_order(ops)
@@ -91,8 +90,7 @@ def pass_gradients_straight(gradients: list, ops: list) -> int:
     an `IdentityN` hands each input on as it is. Same conditions as
     `wait_for_gradients`.
     """
-    if (not ops or not compat.orders_stateful_ops(ops[0].graph)
-            or any(op.type in _CREATES_VARIABLES for op in ops)):
+    if not _may_reorder(ops):
         return 0
     gradient_refs = {t.ref() for g in gradients if g is not None
                      for t in gradient_waits.gradient_tensors(g)}
@@ -115,6 +113,14 @@ def pass_gradients_straight(gradients: list, ops: list) -> int:
                             compat.replace_input(consumer, index, given)
         passed += 1
     return passed
+
+
+def _may_reorder(ops: list) -> bool:
+    """Whether `ops` are in a tf.function's graph, which keeps each variable's
+    reads and writes in the order they were made, and not in the trace that
+    creates variables (their initial values are lifted out of the graph)."""
+    return bool(ops) and compat.orders_stateful_ops(ops[0].graph) and not any(
+        op.type in _CREATES_VARIABLES for op in ops)
 
 
 def _needs(gradients, ops, inside, before) -> dict:
