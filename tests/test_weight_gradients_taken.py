@@ -84,10 +84,13 @@ def test_fit_updates_each_weight_once_its_gradient_is_made():
     ids=["sgd", "clipnorm", "clipvalue", "loss-scale-factor"])
 def test_checkpointed_fit_takes_each_gradient_with_the_dependency_optimizer_off(optimizer):
     """The IdentityN, over the gradients or what each was clipped or scaled
-    into, is passed by (measured: 8.4, 12.3, 12.3 and 8.3 MiB; stock 32.1-36.0)."""
+    into, is passed by (measured alone: 8.4, 12.3, 12.3 and 8.3 MiB; clipvalue
+    16.2 on TensorFlow 2.16 with the suite's other worker busy; held, all eight
+    gradients: stock 32.1-36.0). Fewer than six of the eight alive tells the two apart."""
     layers, width = 8, 1024
     with _dependency_optimizer_off():
-        assert _fit_peak(layers, width, "memory", **optimizer) < layers * width * width * 4 / 2
+        assert (_fit_peak(layers, width, "memory", **optimizer)
+                < layers * width * width * 4 * 3 / 4)
 
 
 def test_fit_ranks_as_taken_with_the_dependency_optimizer_off(caplog):
