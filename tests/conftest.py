@@ -6,6 +6,7 @@ The stock-versus-ours harness lives in harness.py; shared models in models.py.
 """
 
 import os
+import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # Allocator statistics for function_peak_bytes on any CPU (see measure.py).
@@ -32,6 +33,18 @@ def _rewrite_where_stock_is_predicted_lower(request, monkeypatch):
     tests marked `stock_fallback` check that fallback itself."""
     if request.node.get_closest_marker("stock_fallback") is None:
         monkeypatch.setattr(strategies, "STOCK_FALLBACK", False)
+
+
+@pytest.fixture(autouse=True)
+def _decorator_waits_end_with_the_test():
+    """A segment built under RECOMPUTE=1 (which tests switch on by monkeypatch)
+    makes Keras optimizers' updates wait for the rest of the run; each test's
+    end takes that back, so later tests find the optimizer classes as they were."""
+    yield
+    layer_decorator = sys.modules.get("memory_saving_gradients.integrations.layer_decorator")
+    if layer_decorator is not None:
+        optimizer_waits = sys.modules["memory_saving_gradients.integrations.optimizer_waits"]
+        optimizer_waits.uninstall(layer_decorator._holds_a_segment)  # pylint: disable=protected-access
 
 
 @pytest.fixture

@@ -522,6 +522,49 @@ def test_nested_tapes_through_a_layer_give_the_stock_second_order(switch, monkey
         np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("switch", ["RECOMPUTE", "checkpointing"])
+def test_a_layer_in_a_nested_function_gets_tensorflows_gradient_and_says_so(
+        switch, monkeypatch, caplog):
+    """A decorated layer called inside a tf.function of its own, within the
+    step that differentiates it, has its gradient built in TensorFlow's
+    backward function of that call, not where its body is (before session
+    56: a ValueError, "ys belong to graph ...")."""
+    class RecomputedDense(keras.layers.Dense):
+        @recompute_grad
+        def call(self, inputs):
+            return super().call(inputs)
+
+    keras.utils.set_random_seed(0)
+    plain, decorated = keras.layers.Dense(4, "tanh"), RecomputedDense(4, "tanh")
+    x = tf.constant(np.random.RandomState(2).randn(3, 4).astype(np.float32))
+    plain(x), decorated(x)
+    decorated.set_weights(plain.get_weights())
+
+    def make_step(layer):
+        forward = tf.function(lambda x: layer(x) ** 2)
+
+        @tf.function
+        def step(x):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                y = tf.reduce_sum(forward(x))
+            return tape.gradient(y, [x] + layer.trainable_variables)
+        return step
+
+    stock = make_step(plain)(x)
+    monkeypatch.setattr(layer_decorator, "_logged", set())
+    with caplog.at_level(logging.WARNING, logger="memory_saving_gradients"):
+        if switch == "RECOMPUTE":
+            monkeypatch.setattr(layer_decorator, "_ENV_ON", True)
+            ours = make_step(decorated)(x)
+        else:
+            with msg.checkpointing():
+                ours = make_step(decorated)(x)
+    assert "(a layer called inside a nested tf.function)" in caplog.text
+    for got, want in zip(ours, stock):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-6)
+
+
 @tf.custom_gradient
 def _clipped_gradient(x):
     return tf.identity(x), lambda dy: tf.clip_by_value(dy, -0.1, 0.1)

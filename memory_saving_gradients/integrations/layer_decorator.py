@@ -17,7 +17,9 @@ accepts no keywords (what makes `tf.recompute_grad` and `keras.RematScope`
 fail on such layers).
 
 When the switch is off the decorated call is the undecorated call: the same
-ops, the same gradients.
+ops, the same gradients. Under RECOMPUTE=1 a Keras optimizer's update traced
+into a graph holding a segment waits for its gradients, as in a checkpointed
+step (integrations/optimizer_waits.py).
 """
 
 import functools
@@ -26,12 +28,14 @@ import logging
 import os
 import sys
 import threading
+import weakref
 from typing import Callable, Mapping, Optional
 
 import keras
 import tensorflow as tf
 
 from memory_saving_gradients import api
+from memory_saving_gradients.integrations import optimizer_waits
 from memory_saving_gradients.integrations import patching
 from memory_saving_gradients.tfgraph import captures, compat, gradient_linearity, gradient_reads
 from memory_saving_gradients.tfgraph import gradient_waits, graph_walks
@@ -80,6 +84,25 @@ def recompute_enabled() -> bool:
 # (their class names: `inner`).
 _building = threading.local()
 _logged = set()  # messages logged once per process
+# The function graphs that hold a segment built under RECOMPUTE=1, and those
+# they are nested in: a Keras optimizer's update traced into one waits for its
+# gradients (integrations/optimizer_waits.py), as in a checkpointed step.
+_graphs_with_segments = weakref.WeakSet()
+
+
+def _holds_a_segment() -> bool:
+    """Whether the graph being built holds a segment made under RECOMPUTE=1
+    (optimizer_waits' reason for the decorator; installed for the run)."""
+    return tf.compat.v1.get_default_graph() in _graphs_with_segments
+
+
+def _updates_in_graph_wait(graph) -> None:
+    """Makes optimizer updates traced into `graph`, or a function graph it is
+    nested in, wait for their gradients."""
+    while hasattr(graph, "outer_graph"):  # a FuncGraph
+        _graphs_with_segments.add(graph)
+        graph = graph.outer_graph
+    optimizer_waits.install(_holds_a_segment)
 
 
 def recompute_grad(call: Callable) -> Callable:
@@ -256,6 +279,8 @@ def _call_as_segment(call: Callable, layer: keras.layers.Layer, args: tuple,
     # it off its graph).
     gradient_linearity.declare_linear(results)
     boundary.extend(results)
+    if _ENV_ON:  # else a patch is in force, whose reason makes updates wait
+        _updates_in_graph_wait(tf.compat.v1.get_default_graph())
     floats = iter(results)
     parts = []
     for made in tf.nest.flatten(body[0][0], expand_composites=True):
@@ -287,7 +312,17 @@ def _recomputed_gradients(graph, outputs, body_ops: list, inputs: tuple, variabl
              if id(y) in reached and y.dtype.is_floating and g is not None]
     grads = [None] * len(xs)
     ys, grad_ys = [y for y, _ in pairs], [g for _, g in pairs]
-    if pairs and compat.any_tape_recording():
+    if pairs and tf.compat.v1.get_default_graph() is not graph:
+        # The gradient is built in another graph than the body's: the backward
+        # function of a nested tf.function the layer ran in, or a cond or loop
+        # body taking the gradient. Our copies would have to be made there,
+        # reading the body's graph through captures.
+        _log_once("@recompute_grad layers whose gradient is built in another graph "
+                  "than the layer's (a layer called inside a nested tf.function) are "
+                  "differentiated by TensorFlow there, without recomputation; call "
+                  "them in the training step's own graph")
+        grads = compat.stock_gradients(ys, xs, grad_ys=grad_ys)
+    elif pairs and compat.any_tape_recording():
         # A tape records this gradient (nested tapes: a higher order). Our
         # copies are made off the tape, so it would miss their part: the
         # body's own ops are differentiated, with TensorFlow's gradient.

@@ -1,8 +1,10 @@
 """Optimizer updates that wait for their gradients, in every checkpointed step.
 
-While checkpointing is in force for the calling thread (`patch_tf_gradients`,
-`checkpointing`, or a step `memory_saving_gradients.keras` checkpoints) and a
-tf.function is being traced, a Keras optimizer's update (Keras 3's `apply`,
+While a tf.function is traced with checkpointing in force for the calling
+thread (`patch_tf_gradients`, `checkpointing`, or a step
+`memory_saving_gradients.keras` checkpoints), or into a graph that holds a
+layer `@recompute_grad` made a segment under RECOMPUTE=1, a Keras optimizer's
+update (Keras 3's `apply`,
 which `apply_gradients` and `minimize` call; tf_keras's `apply_gradients`)
 makes its work that needs no gradient wait for the gradient it serves
 (tfgraph/update_waits.py): else momentum SGD's `m * momentum`, RMSprop's
@@ -14,9 +16,12 @@ Nothing waits where the step runs eagerly, under a distribution strategy
 (whose replicas trace into one graph at once), or for gradients that are not
 tensors of the traced graph (accumulated gradients kept in variables).
 
-`install()` wraps those methods when the first patch begins, `uninstall()`
-puts them back when the last one ends (integrations/patching.py). tf_keras is
-wrapped only if imported by then.
+Each way in installs a reason (a callable saying whether the step being traced
+is one of its own): `install()` wraps those methods when the first reason comes
+(the first patch, integrations/patching.py; the first segment under
+RECOMPUTE=1, integrations/layer_decorator.py, which stays for the run), and
+`uninstall()` puts them back when the last reason goes. tf_keras is wrapped only
+if imported by then.
 """
 
 import functools
@@ -25,7 +30,7 @@ import inspect
 import logging
 import sys
 import threading
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, Tuple
 
 import tensorflow as tf
 
@@ -33,32 +38,41 @@ from memory_saving_gradients.tfgraph import update_waits
 
 logger = logging.getLogger("memory_saving_gradients")
 
-_state = {"active": lambda: None}
+_reasons: List[Callable[[], bool]] = []  # what installed the wrappers, in order
+_lock = threading.Lock()
 _local = threading.local()  # .updating: inside a wrapped update already
 _OURS = "_memory_saving_gradients_waits"  # marks our wrappers
 
 
-def install(active: Callable[[], Optional[object]]) -> None:
-    """Wraps the optimizers' update methods (whatever stands there, unless it
-    is our wrapper); `active()` gives the checkpoints in force for the
-    calling thread, or None."""
-    _state["active"] = active
-    for cls, name in _update_methods():
-        current = cls.__dict__[name]
-        if not _is_ours(current):
-            setattr(cls, name, _waiting(current, takes_pairs=name == "apply_gradients"))
+def install(reason: Callable[[], bool]) -> None:
+    """Adds `reason` (does the calling thread trace a step it checkpoints?)
+    and wraps the optimizers' update methods (whatever stands there, unless it
+    is our wrapper)."""
+    with _lock:
+        if reason not in _reasons:
+            _reasons.append(reason)
+        for cls, name in _update_methods():
+            current = cls.__dict__[name]
+            if not _is_ours(current):
+                setattr(cls, name, _waiting(current, takes_pairs=name == "apply_gradients"))
 
 
-def uninstall() -> None:
-    """Takes our wrappers off the update methods. A method other code put over
-    ours is left (ours inside it acts only while a patch is in force); the
-    next call takes ours off once that code has put it back."""
-    for cls, name in _update_methods():
-        current = cls.__dict__.get(name)
-        if _is_ours(current):
-            while _is_ours(current):
-                current = current._replaces  # pylint: disable=protected-access
-            setattr(cls, name, current)
+def uninstall(reason: Callable[[], bool]) -> None:
+    """Drops `reason`; with none left, takes our wrappers off the update
+    methods. A method other code put over ours is left (ours inside it acts
+    only for a reason); the next call takes ours off once that code has put
+    it back."""
+    with _lock:
+        if reason in _reasons:
+            _reasons.remove(reason)
+        if _reasons:
+            return
+        for cls, name in _update_methods():
+            current = cls.__dict__.get(name)
+            if _is_ours(current):
+                while _is_ours(current):
+                    current = current._replaces  # pylint: disable=protected-access
+                setattr(cls, name, current)
 
 
 def _is_ours(method) -> bool:
@@ -125,8 +139,8 @@ def _waiting(stock: Callable, takes_pairs: bool) -> Callable:
 
 
 def _waits_here() -> bool:
-    return (_state["active"]() is not None and not tf.executing_eagerly()
-            and not tf.distribute.has_strategy())
+    return (not tf.executing_eagerly() and not tf.distribute.has_strategy()
+            and any(reason() for reason in list(_reasons)))
 
 
 def _of_graph(gradient, graph: tf.Graph):

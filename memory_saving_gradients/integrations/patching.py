@@ -96,7 +96,7 @@ class _Patches:
         self._originals = [getattr(module, name) for module, name in _TARGETS]
         for (module, name), original in zip(_TARGETS, self._originals):
             setattr(module, name, _dispatcher(original))
-        optimizer_waits.install(active_checkpoints)
+        optimizer_waits.install(_patched_here)
 
     def _uninstall(self) -> None:
         for (module, name), original in zip(_TARGETS, self._originals):
@@ -104,7 +104,7 @@ class _Patches:
             if getattr(getattr(module, name), "_replaces", None) is original:
                 setattr(module, name, original)
         self._originals = []
-        optimizer_waits.uninstall()
+        optimizer_waits.uninstall(_patched_here)
 
 
 _patches = _Patches()
@@ -163,6 +163,12 @@ def active_checkpoints():
     Integrations (tape, Keras) read it to know whether, and how, to checkpoint.
     """
     return _patches.active()
+
+
+def _patched_here() -> bool:
+    """Whether a patch is in force for the calling thread (a reason for
+    optimizer_waits)."""
+    return _patches.active() is not None
 
 
 @contextlib.contextmanager
