@@ -314,13 +314,15 @@ def _recomputed_gradients(graph, outputs, body_ops: list, inputs: tuple, variabl
     ys, grad_ys = [y for y, _ in pairs], [g for _, g in pairs]
     if pairs and tf.compat.v1.get_default_graph() is not graph:
         # The gradient is built in another graph than the body's: the backward
-        # function of a nested tf.function the layer ran in, or a cond or loop
-        # body taking the gradient. Our copies would have to be made there,
-        # reading the body's graph through captures.
+        # function of the tf.function the layer ran in (nested in the step, or
+        # differentiated by an eager tape), or a cond or loop body taking the
+        # gradient. Our copies would have to be made there, reading the body's
+        # graph through captures.
         _log_once("@recompute_grad layers whose gradient is built in another graph "
-                  "than the layer's (a layer called inside a nested tf.function) are "
+                  "than the layer's (a layer called inside a nested tf.function, or "
+                  "in a tf.function an eager GradientTape differentiates) are "
                   "differentiated by TensorFlow there, without recomputation; call "
-                  "them in the training step's own graph")
+                  "them in the tf.function that takes the gradient")
         grads = compat.stock_gradients(ys, xs, grad_ys=grad_ys)
     elif pairs and compat.any_tape_recording():
         # A tape records this gradient (nested tapes: a higher order). Our
@@ -366,9 +368,10 @@ def _filled_in(grad, result: tf.Tensor) -> bool:
         return False
     op = grad.op
     if op.type == "ZerosLike":
-        # Of the boundary's IdentityN output, or of a copy of it: not the
+        # Of the boundary's IdentityN output, or of a copy of it (in a backward
+        # function of its own, of the placeholder capturing it): not the
         # planner's probe's stand-in for an output it does not read.
-        return op.inputs[0].op.type == "IdentityN"
+        return captures.captured_source(op.inputs[0]).op.type == "IdentityN"
     if op.type == "Fill":
         return _all_zeros(op.inputs[1])
     return op.type == "Const" and _all_zeros(grad)

@@ -45,6 +45,19 @@ def local_tensor(graph, tensor) -> Optional[tf.Tensor]:
     return None if in_outer is None else _captured_as(graph, in_outer)
 
 
+def captured_source(tensor: tf.Tensor) -> tf.Tensor:
+    """The tensor `tensor` stands for: where it is a placeholder its graph
+    captured, the tensor captured (through every level of capturing), else
+    `tensor`. The reverse of `local_tensor`; O(captures x depth)."""
+    while tensor.op.type == "Placeholder":
+        external = next((e for e, internal in getattr(tensor.graph, "captures", ())
+                         if internal is tensor), None)
+        if external is None:
+            return tensor
+        tensor = external
+    return tensor
+
+
 def _captured_as(graph, tensor):
     for external, internal in getattr(graph, "captures", ()):
         if external is tensor:
