@@ -22,7 +22,9 @@ compares the whole step (weight gradients counted as they appear) and, with
 lives: `live_set_diff.activation_peak` beside `timeline.step_peaks`;
 docs/planner.md). Step times are
 medians of calls made in turn across the methods, after the peaks.
-With `--threads 1` the subprocess runs TensorFlow with one inter-op thread;
+With `--threads N` (an integer) the subprocess runs TensorFlow with N
+inter-op threads (1: one; more than the cores: as on a larger machine, the
+executor running more ready ops side by side); `default` leaves TensorFlow's;
 with `--jit` the step is compiled by XLA (`jit_compile=True`).
 Results go to results/predicted_vs_measured.{jsonl,md}; the small models
 (`SMALL_MODELS`) are the ones tests/test_memory_model.py measures.
@@ -147,10 +149,10 @@ def loss_and_weights(model, inputs, labels):
 
 def model_and_data(model_name, threads):
     """(model, inputs, labels) of `model_by_name(model_name)`, TensorFlow set to
-    one inter-op thread first if `threads` is "1" (before any op runs)."""
+    `threads` inter-op threads first unless it is "default" (before any op runs)."""
     import tensorflow as tf
-    if threads == "1":
-        tf.config.threading.set_inter_op_parallelism_threads(1)
+    if threads != "default":
+        tf.config.threading.set_inter_op_parallelism_threads(int(threads))
     build, data = model_by_name(model_name)
     model = build()
     inputs, labels = (tf.constant(a) for a in data())
@@ -254,7 +256,7 @@ def _stock_range(method, traced, threads):
     if method != METHODS[0]:
         return {}
     from memory_saving_gradients.core import timeline
-    counts = {1} if threads == "1" else {1, os.cpu_count()}
+    counts = {1, os.cpu_count() if threads == "default" else int(threads)}
     ranges = [timeline.stock_peak_range(traced["plan"].model, count) for count in counts]
     low = min(low for low, _ in ranges)
     high = max(high for _, high in ranges)
@@ -367,8 +369,10 @@ def _shown(value, divisor, spec):
 
 def ratio_lines(rows):
     """Markdown: measured activation memory and step time of each mode / tf.gradients',
-    per threading."""
+    per threading of `rows` (in their order), and how far apart the threadings' memory
+    ratios are."""
     found = {(r["model"], r["method"], r["threads"]): r for r in rows if "error" not in r}
+    threadings = list(dict.fromkeys(r["threads"] for r in rows))
 
     def ratio(model, mode, threads, field):
         ours, stock = found.get((model, mode, threads)), found.get((model, METHODS[0], threads))
@@ -376,22 +380,27 @@ def ratio_lines(rows):
             return None
         return ours[field] / stock[field]
 
-    lines = ["| model | mode | memory, default threads | memory, 1 inter-op thread | "
-             "difference | time, default | time, 1 thread | activation peak, default / 1 "
-             "thread |", "|---|---|---|---|---|---|---|---|"]
+    def label(threads):
+        return "default threads" if threads == "default" else f"{threads} inter-op"
+
+    def shown(values):
+        return " / ".join("" if v is None else f"{v:.2f}" for v in values)
+
+    named = " / ".join(map(label, threadings))
+    lines = [f"| model | mode | memory, {named} | difference | time, {named} | activation "
+             f"peak, {named} |", "|---|---|---|---|---|---|"]
     modes = dict.fromkeys(r["method"] for r in rows if r["method"] != METHODS[0])
     for model in dict.fromkeys(r["model"] for r in rows):
         for mode in modes:
-            memory = [ratio(model, mode, t, "measured") for t in ("default", "1")]
+            memory = [ratio(model, mode, t, "measured") for t in threadings]
             if None in memory:
                 continue
-            times = [ratio(model, mode, t, "seconds") for t in ("default", "1")]
+            times = [ratio(model, mode, t, "seconds") for t in threadings]
             # Without the weight gradients at any time (profiled: `--requested`).
-            peaks = [ratio(model, mode, t, "requested_activation") for t in ("default", "1")]
-            shown = ["" if t is None else f"{t:.2f}" for t in times + peaks]
-            lines.append(f"| {model} | {mode} | {memory[0]:.2f} | {memory[1]:.2f} | "
-                         f"{abs(memory[0] - memory[1]):.2f} | {shown[0]} | {shown[1]} | "
-                         f"{shown[2]} / {shown[3]} |")
+            peaks = [ratio(model, mode, t, "requested_activation") for t in threadings]
+            lines.append(f"| {model} | {mode} | {shown(memory)} | "
+                         f"{max(memory) - min(memory):.2f} | {shown(times)} | "
+                         f"{shown(peaks)} |")
     return lines
 
 
@@ -400,7 +409,8 @@ def main(argv=None):
     parser.add_argument("--models", default=",".join(
         m for m in MODELS if m not in SMALL_MODELS and m not in HELD_OUT))
     parser.add_argument("--methods", default=",".join(METHODS))
-    parser.add_argument("--threads", default="default,1")
+    parser.add_argument("--threads", default="default,1",
+                        help="default and/or inter-op thread counts, e.g. default,1,8")
     parser.add_argument("--out", default="predicted_vs_measured")
     parser.add_argument("--report", action="store_true",
                         help="only rewrite the .md table from the .jsonl rows")
@@ -409,6 +419,10 @@ def main(argv=None):
                         help="also profile 3 calls for the peak of the bytes requested")
     parser.add_argument("--job", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    for threads in args.threads.split(","):
+        if threads != "default" and not (threads.isdigit() and int(threads) > 0):
+            parser.error(f"--threads takes 'default' or inter-op thread counts (1, 4, ...), "
+                         f"comma-separated; got {threads!r}")
     if args.job:
         print(json.dumps(measure(*json.loads(args.job))), flush=True)
         return
