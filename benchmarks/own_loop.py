@@ -30,7 +30,10 @@ from benchmarks import keras_fit
 METHODS = {"stock tape": None, "checkpointing(memory)": "memory",
            # The optimizer's update as stock makes it: no IdentityN passed by,
            # nothing waiting (tfgraph/update_waits.py switched off).
-           "checkpointing(memory), updates as stock": "memory, updates as stock"}
+           "checkpointing(memory), updates as stock": "memory, updates as stock",
+           # Plans ranked with every weight gradient held, as before session 56
+           # (the optimizer's taking each gradient one by one never noted).
+           "checkpointing(memory), ranked held": "memory, ranked held"}
 RESULTS = os.path.join(os.path.dirname(__file__), "results", "own_loop.json")
 
 
@@ -48,6 +51,10 @@ def measure(model_name, checkpoints, steps, returns, threads=0, optimizer="adam"
         from memory_saving_gradients.tfgraph import update_waits
         update_waits.wait_for_gradients = lambda gradients, ops: 0
         update_waits.pass_gradients_straight = lambda gradients, ops: 0
+        checkpoints = "memory"
+    if checkpoints == "memory, ranked held":
+        from memory_saving_gradients.integrations import optimizer_waits
+        optimizer_waits._note_taken_one_by_one = lambda *args: None  # pylint: disable=protected-access
         checkpoints = "memory"
     model, x, y = keras_fit.build(model_name, optimizer)
     optimizer = model.optimizer

@@ -11,10 +11,15 @@ first by that count peaked 9-12% lower on EfficientNetV2B0 than the one ranked
 first with every weight gradient held to the end; where something holds them
 all (a global-norm clip, a loss-scale check, a user's own step) the held count
 stays the judge.
+
+A user's own step (a GradientTape, then `apply_gradients`) ranks so from its
+second trace, where its first showed the optimizer taking each gradient our
+`gradients` made, one by one (integrations/optimizer_waits.py).
 """
 
 import contextlib
 import dataclasses
+import logging
 
 import keras
 import numpy as np
@@ -133,10 +138,70 @@ def test_memory_takes_the_least_peak_as_taken(seed, ops):
     (lambda: keras.optimizers.SGD(0.05, momentum=0.9), bert_like, TOKENS, True),
     # Every gradient is read to compute the global norm before any is applied.
     (lambda: keras.optimizers.SGD(0.05, global_clipnorm=1.0), bert_like, TOKENS, False),
-    # A user's own step may hold them (this one does not; it is not assumed).
-    (lambda: keras.optimizers.SGD(0.05), OwnStep, FEATURES, False),
+    # A user's own train_step: its first trace showed the optimizer taking each
+    # of our gradients one by one, so the trace that runs ranks so (session 56;
+    # before, a user's step was never assumed to).
+    (lambda: keras.optimizers.SGD(0.05), OwnStep, FEATURES, True),
 ], ids=["keras-step", "global-clipnorm", "own-step"])
 def test_fit_ranks_as_taken_only_where_the_optimizer_takes_each(
         caplog, optimizer, build, x, ranked_as_taken):
     fit_vs_stock(build, x, LABELS, caplog, optimizer=optimizer)
     assert (RANKED_AS_TAKEN in caplog.text) == ranked_as_taken, caplog.text
+
+
+def _own_loop(optimizer, checkpoints, clip_globally=False, steps=2):
+    """A user's own step of the BERT-like model, run `steps` times with its
+    first call traced inside `checkpointing(checkpoints)` (or stock); the
+    weights after them."""
+    keras.utils.set_random_seed(7)
+    model = bert_like()
+    optimizer = optimizer()
+    loss_of = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_of(y, model(x, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        if clip_globally:
+            grads, _ = tf.clip_by_global_norm(grads, 1.0)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    x, y = tf.constant(TOKENS[:8]), tf.constant(LABELS[:8])
+    with msg.checkpointing(checkpoints) if checkpoints else contextlib.nullcontext():
+        step(x, y)
+    for _ in range(steps - 1):
+        step(x, y)
+    return [np.asarray(v.numpy(), np.float64) for v in model.weights]
+
+
+# Optimizers with variables of their own (momentum, Adam's moments), so that
+# the first trace creates them and tf.function traces the step again.
+@pytest.mark.parametrize("optimizer, clip_globally, ranked_as_taken, atol", [
+    (lambda: keras.optimizers.SGD(0.05, momentum=0.9), False, True, 1e-5),
+    # Adam divides by each gradient's running size: float rounding in near-zero
+    # gradients moves a weight by up to a fraction of the learning rate.
+    (lambda: keras.optimizers.AdamW(0.01), False, True, 1e-4),
+    # Every gradient is read to compute the global norm before any is applied.
+    (lambda: keras.optimizers.SGD(0.05, momentum=0.9, global_clipnorm=1.0), False, False,
+     1e-5),
+    (lambda: keras.optimizers.SGD(0.05, momentum=0.9), True, False, 1e-5),
+    (lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.05, momentum=0.9)),
+     False, False, 1e-5),
+], ids=["momentum-sgd", "adamw", "global-clipnorm", "the-step-clips-by-global-norm",
+        "loss-scale"])
+def test_own_loop_ranks_as_taken_once_its_optimizer_took_each_gradient(
+        caplog, optimizer, clip_globally, ranked_as_taken, atol):
+    """The first trace (which creates the optimizer's variables) ranks by the
+    held count; the trace after it, which runs every step, as taken, where the
+    optimizer took each of our gradients as it was made. Weights equal stock's."""
+    stock = _own_loop(optimizer, None, clip_globally)
+    with caplog.at_level(logging.INFO, logger="memory_saving_gradients"):
+        ours = _own_loop(optimizer, "memory", clip_globally)
+    plans = [r.getMessage() for r in caplog.records if "strategy memory keeps" in r.getMessage()]
+    assert len(plans) == 2, plans  # the trace creating variables, then the one that runs
+    assert RANKED_AS_TAKEN not in plans[0]
+    assert (RANKED_AS_TAKEN in plans[1]) == ranked_as_taken, plans[1]
+    for i, (got, want) in enumerate(zip(ours, stock)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=atol, err_msg=f"variable {i}")

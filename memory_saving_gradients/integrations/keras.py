@@ -15,6 +15,7 @@ import logging
 import tensorflow as tf
 
 from memory_saving_gradients import api
+from memory_saving_gradients.integrations import optimizer_waits
 from memory_saving_gradients.integrations import patching
 from memory_saving_gradients.tfgraph import compat
 
@@ -73,34 +74,13 @@ def enable(model, checkpoints="memory") -> None:
     def train_step(data):
         with patching.checkpointing(checkpoints), (
                 api.weight_gradients_taken()
-                if keras_own_step and _takes_each_weight_gradient(model.optimizer)
+                if keras_own_step and optimizer_waits.takes_each_gradient(model.optimizer)
                 else contextlib.nullcontext()):
             return step(data)
 
     object.__setattr__(model, "train_step", train_step)
     object.__setattr__(model, _ENABLED, replaced)
     _retrace(model)
-
-
-def _takes_each_weight_gradient(optimizer) -> bool:
-    """Whether Keras 3's own train step, being traced, applies each weight
-    gradient as it is made: outside a distribution strategy (whose all-reduce
-    takes them together), with an optimizer that updates each variable from
-    its own gradient (not a global-norm clip, a loss-scale check of every
-    gradient, nor accumulation under a cond). The `IdentityN` Keras puts over
-    all of them is passed by as the step is traced (integrations/
-    optimizer_waits.py; Grappler's dependency optimizer removes it too, but
-    only where on). tf_keras and a user's own train step are not assumed to
-    (`enable` checks the step).
-
-    Optimizer work that needs no gradient (momentum's `m * momentum`, RMSprop's,
-    AdamW's decay) would run early and hold a weight-sized buffer per variable
-    until its gradient came, which neither count sees; while the step is
-    traced it waits for that gradient (integrations/optimizer_waits.py)."""
-    return (optimizer is not None and not tf.distribute.has_strategy()
-            and getattr(optimizer, "global_clipnorm", None) is None
-            and not getattr(optimizer, "gradient_accumulation_steps", None)
-            and not any(c.__name__ == "LossScaleOptimizer" for c in type(optimizer).__mro__))
 
 
 def disable(model) -> None:

@@ -16,6 +16,16 @@ Nothing waits where the step runs eagerly, under a distribution strategy
 (whose replicas trace into one graph at once), or for gradients that are not
 tensors of the traced graph (accumulated gradients kept in variables).
 
+A user's own step learns here whether its optimizer takes each weight
+gradient as it is made. Where a Keras 3 optimizer that updates each variable
+from its own gradient alone (`takes_each_gradient`) is handed, for every
+variable, the very gradient our `gradients` made for it, those variables are
+noted, and a later trace of the step (a tf.function traces again once its first
+trace created the optimizer's variables) plans its gradients of them as
+`fit`'s step does: ranked by the peak with each weight gradient taken as it is
+made (`planned_for_updates`). A gradient clipped by a global norm, or any
+other value made from the gradients, is not ours: nothing is noted then.
+
 Each way in installs a reason (a callable saying whether the step being traced
 is one of its own): `install()` wraps those methods when the first reason comes
 (the first patch, integrations/patching.py; the first segment under
@@ -24,17 +34,21 @@ RECOMPUTE=1, integrations/layer_decorator.py, which stays for the run), and
 if imported by then.
 """
 
+import contextlib
 import functools
 import importlib
 import inspect
 import logging
 import sys
 import threading
-from typing import Callable, List, Tuple
+import weakref
+from typing import Callable, Dict, List, Tuple
 
 import tensorflow as tf
 
+from memory_saving_gradients import api
 from memory_saving_gradients.tfgraph import update_waits
+from memory_saving_gradients.tfgraph import variables as tf_variables
 
 logger = logging.getLogger("memory_saving_gradients")
 
@@ -42,6 +56,11 @@ _reasons: List[Callable[[], bool]] = []  # what installed the wrappers, in order
 _lock = threading.Lock()
 _local = threading.local()  # .updating: inside a wrapped update already
 _OURS = "_memory_saving_gradients_waits"  # marks our wrappers
+# Per graph: id of a weight gradient our `gradients` returned -> id of its tf.Variable.
+_made_for = weakref.WeakKeyDictionary()
+# id of a tf.Variable an optimizer took its gradient for one by one -> a weak
+# reference to it (ids are reused once the variable is gone: the reference tells).
+_taken_one_by_one: Dict[int, weakref.ref] = {}
 
 
 def install(reason: Callable[[], bool]) -> None:
@@ -73,6 +92,66 @@ def uninstall(reason: Callable[[], bool]) -> None:
                 while _is_ours(current):
                     current = current._replaces  # pylint: disable=protected-access
                 setattr(cls, name, current)
+
+
+def takes_each_gradient(optimizer) -> bool:
+    """Whether a Keras 3 optimizer's update, being traced, applies each weight
+    gradient as it is made: outside a distribution strategy (whose all-reduce
+    takes them together), with an optimizer that updates each variable from
+    its own gradient (not a global-norm clip, a loss-scale check of every
+    gradient, nor accumulation under a cond). The `IdentityN` Keras puts over
+    all of them is passed by as the step is traced (`pass_gradients_straight`).
+    tf_keras's optimizers are not assumed to."""
+    return (optimizer is not None and not tf.distribute.has_strategy()
+            and getattr(optimizer, "global_clipnorm", None) is None
+            and not getattr(optimizer, "gradient_accumulation_steps", None)
+            and not any(c.__name__ == "LossScaleOptimizer" for c in type(optimizer).__mro__))
+
+
+def planned_for_updates(gradients_of: Callable[[], list], sources: list) -> list:
+    """`gradients_of()`, our gradients of `sources`: planned as taken one by one
+    (`api.weight_gradients_taken`) where every source is a variable an optimizer
+    took its gradient for one by one in an earlier trace, and noted for the
+    optimizer's update, which may take them so."""
+    found = [tf_variables.as_tf_variable(s) for s in sources]
+    variables = [v for v in found if isinstance(v, tf.Variable)]
+    taken = (bool(variables) and len(variables) == len(found)
+             and not tf.distribute.has_strategy()  # its all-reduce takes them together
+             and all(_was_taken_one_by_one(v) for v in variables))
+    with api.weight_gradients_taken() if taken else contextlib.nullcontext():
+        grads = gradients_of()
+    made = _made_for.setdefault(tf.compat.v1.get_default_graph(), {})
+    for variable, grad in zip(found, grads):
+        if isinstance(variable, tf.Variable) and grad is not None:
+            made[id(_values(grad))] = id(variable)
+    return grads
+
+
+def _was_taken_one_by_one(variable: tf.Variable) -> bool:
+    ref = _taken_one_by_one.get(id(variable))
+    return ref is not None and ref() is variable
+
+
+def _note_taken_one_by_one(optimizer, gradients: list, variables) -> None:
+    """Notes `variables` where `optimizer` takes each of `gradients` as it is
+    made and each is the one our `gradients` made for its variable."""
+    if variables is None or not takes_each_gradient(optimizer):
+        return
+    found = [tf_variables.as_tf_variable(v) for v in variables]
+    made = _made_for.get(tf.compat.v1.get_default_graph(), {})
+    if len(found) != len(gradients) or not all(
+            g is not None and made.get(id(_values(g))) == id(v)
+            for g, v in zip(gradients, found)):
+        return
+    for variable in found:
+        key = id(variable)
+        _taken_one_by_one[key] = weakref.ref(
+            variable, lambda gone, key=key: _taken_one_by_one.pop(key, None)
+            if _taken_one_by_one.get(key) is gone else None)
+
+
+def _values(gradient):
+    return gradient.values if isinstance(gradient, tf.IndexedSlices) else gradient
 
 
 def _is_ours(method) -> bool:
@@ -126,6 +205,9 @@ def _waiting(stock: Callable, takes_pairs: bool) -> Callable:
             _local.updating = False
         gradients = [_of_graph(g, graph) for g in ([g for g, _ in given] if takes_pairs
                                                     else given)]
+        if not takes_pairs:  # Keras 3's `apply(grads, trainable_variables)`
+            _note_taken_one_by_one(args[0], gradients,
+                                   bound.arguments.get("trainable_variables"))
         made = graph.get_operations()[start:]
         update_waits.pass_gradients_straight(gradients, made)
         waiting = update_waits.wait_for_gradients(gradients, made)

@@ -124,8 +124,10 @@ def _dispatcher(original: Callable) -> Callable:
         checkpoints = active_checkpoints()
         if checkpoints is None:
             return original(*args, **kwargs)
-        return api.gradients(**signature.bind(*args, **kwargs).arguments,
-                             checkpoints=checkpoints)
+        arguments = signature.bind(*args, **kwargs).arguments
+        return optimizer_waits.planned_for_updates(
+            lambda: api.gradients(**arguments, checkpoints=checkpoints),
+            tf.nest.flatten(arguments["xs"]))
 
     dispatch._replaces = original  # pylint: disable=protected-access
     return dispatch

@@ -20,6 +20,7 @@ from typing import Callable, Optional
 import tensorflow as tf
 
 from memory_saving_gradients import api
+from memory_saving_gradients.integrations import optimizer_waits
 from memory_saving_gradients.integrations import tape_record
 from memory_saving_gradients.integrations import unrecorded
 from memory_saving_gradients.tfgraph import compat
@@ -165,10 +166,12 @@ def _answer(targets, sources, given, tracked, grad_ys, unconnected, checkpoints)
     `sources` are the graph tensors standing for the `given` sources (None
     for a variable this graph never read).
     """
-    wanted = [s for s in sources if s is not None and id(s) in tracked]
-    found = dict(zip(map(id, wanted), api.gradients(
-        targets, wanted, grad_ys=grad_ys, checkpoints=checkpoints,
-        unconnected_gradients=unconnected) if wanted else []))
+    chosen = [(s, g) for s, g in zip(sources, given) if s is not None and id(s) in tracked]
+    wanted = [s for s, _ in chosen]
+    found = dict(zip(map(id, wanted), optimizer_waits.planned_for_updates(
+        lambda: api.gradients(targets, wanted, grad_ys=grad_ys, checkpoints=checkpoints,
+                              unconnected_gradients=unconnected),
+        [g for _, g in chosen]) if wanted else []))
     zero = tf.UnconnectedGradients(unconnected) == tf.UnconnectedGradients.ZERO
     return [found[id(s)] if s is not None and id(s) in found
             else (_zeros(s, g) if zero else None) for s, g in zip(sources, given)]
