@@ -62,16 +62,19 @@ def _fit(optimizer, checkpoints, layer=keras.layers.Dense):
     return _least_peak(fit), model.get_weights()
 
 
-def _own_loop_step(model, optimizer, losses=lambda model, x: tf.reduce_mean((model(x) - x) ** 2),
-                   returns=False):
-    """A user's training step: a GradientTape, then `apply_gradients`;
-    returning the loss or nothing."""
+def own_loop_step(model, optimizer, losses=lambda model, x: tf.reduce_mean((model(x) - x) ** 2),
+                  returns=False, clip_globally=False):
+    """A user's training step: a GradientTape, then `apply_gradients` (of the
+    gradients clipped to a global norm of 1 if `clip_globally`); returning the
+    loss or nothing."""
     @tf.function
     def step(x):
         with tf.GradientTape() as tape:
             loss = losses(model, x)
             scaled = optimizer.scale_loss(loss)  # a LossScaleOptimizer's, else the loss
         grads = tape.gradient(scaled, model.trainable_variables)
+        if clip_globally:
+            grads, _ = tf.clip_by_global_norm(grads, 1.0)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
         return loss if returns else None
     return step
@@ -84,7 +87,7 @@ def _traced_with(checkpoints):
 def _own_loop(optimizer, checkpoints, returns, layer=keras.layers.Dense):
     """As `_fit`, for a user's own step traced inside `checkpointing`."""
     model = _dense_stack(layer)
-    step, x = _own_loop_step(model, optimizer, returns=returns), tf.constant(_rows())
+    step, x = own_loop_step(model, optimizer, returns=returns), tf.constant(_rows())
     with _traced_with(checkpoints):
         step(x)
     return _least_peak(lambda: step(x)), model.get_weights()
@@ -157,10 +160,10 @@ def test_under_recompute_env_only_steps_holding_a_segment_wait(monkeypatch, capl
     x = tf.constant(np.ones((4, WIDTH), np.float32))
     with caplog.at_level(logging.DEBUG, logger="memory_saving_gradients"):
         decorated = _dense_stack(_RecomputedDense)
-        _own_loop_step(decorated, keras.optimizers.SGD(0.1, momentum=0.9))(x)
+        own_loop_step(decorated, keras.optimizers.SGD(0.1, momentum=0.9))(x)
         assert re.search(r"[1-9]\d* ops of SGD's update wait", caplog.text), caplog.text
         caplog.clear()
-        _own_loop_step(_dense_stack(), keras.optimizers.SGD(0.1, momentum=0.9))(x)
+        own_loop_step(_dense_stack(), keras.optimizers.SGD(0.1, momentum=0.9))(x)
         assert "update wait" not in caplog.text
 
 
@@ -229,15 +232,15 @@ def _keyword_step(model, optimizer):
 
 
 def _sparse_step(model, optimizer):
-    return _own_loop_step(model, optimizer, lambda model, x: tf.reduce_mean(model(x) ** 2))
+    return own_loop_step(model, optimizer, lambda model, x: tf.reduce_mean(model(x) ** 2))
 
 
 @pytest.mark.parametrize("model, optimizer, step, x", [
     (_dense_model, lambda: keras.optimizers.SGD(0.1, momentum=0.9, global_clipnorm=1.0),
-     _own_loop_step, np.linspace(-1, 1, 32, dtype=np.float32).reshape(4, 8)),
+     own_loop_step, np.linspace(-1, 1, 32, dtype=np.float32).reshape(4, 8)),
     (_dense_model, lambda: keras.optimizers.LossScaleOptimizer(
         keras.optimizers.SGD(0.1, momentum=0.9)),
-     _own_loop_step, np.linspace(-1, 1, 32, dtype=np.float32).reshape(4, 8)),
+     own_loop_step, np.linspace(-1, 1, 32, dtype=np.float32).reshape(4, 8)),
     (_dense_model, lambda: keras.optimizers.SGD(0.1, momentum=0.9), _accumulating_step,
      np.linspace(-1, 1, 32, dtype=np.float32).reshape(4, 8)),
     (_embedding_model, lambda: keras.optimizers.RMSprop(0.01, momentum=0.5), _sparse_step,
@@ -268,7 +271,7 @@ def test_updates_wait_only_while_checkpointing_is_in_force(caplog):
     update under a patch waits for nothing."""
     stock_apply = keras.optimizers.Optimizer.apply
     model, optimizer = _dense_model(), keras.optimizers.SGD(0.1, momentum=0.9)
-    step = _own_loop_step(model, optimizer)
+    step = own_loop_step(model, optimizer)
     x = tf.constant(np.ones((4, 8), np.float32))
     with caplog.at_level(logging.DEBUG, logger="memory_saving_gradients"):
         with msg.checkpointing("memory"):

@@ -38,6 +38,7 @@ from test_keras import FEATURES
 from test_keras import TOKENS
 from test_keras import bert_like
 from test_keras import fit_vs_stock
+from test_update_waits import own_loop_step
 
 RANKED_AS_TAKEN = "plans ranked by the step's peak where an optimizer"
 
@@ -155,24 +156,15 @@ def _own_loop(optimizer, checkpoints, clip_globally=False, steps=2):
     weights after them."""
     keras.utils.set_random_seed(7)
     model = bert_like()
-    optimizer = optimizer()
+    labels = tf.constant(LABELS[:8])
     loss_of = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-    @tf.function
-    def step(x, y):
-        with tf.GradientTape() as tape:
-            loss = loss_of(y, model(x, training=True))
-        grads = tape.gradient(loss, model.trainable_variables)
-        if clip_globally:
-            grads, _ = tf.clip_by_global_norm(grads, 1.0)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables))
-        return loss
-
-    x, y = tf.constant(TOKENS[:8]), tf.constant(LABELS[:8])
+    step = own_loop_step(model, optimizer(), clip_globally=clip_globally,
+                         losses=lambda model, x: loss_of(labels, model(x, training=True)))
+    x = tf.constant(TOKENS[:8])
     with msg.checkpointing(checkpoints) if checkpoints else contextlib.nullcontext():
-        step(x, y)
+        step(x)
     for _ in range(steps - 1):
-        step(x, y)
+        step(x)
     return [np.asarray(v.numpy(), np.float64) for v in model.weights]
 
 
