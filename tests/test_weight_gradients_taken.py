@@ -197,3 +197,40 @@ def test_own_loop_ranks_as_taken_once_its_optimizer_took_each_gradient(
     assert (RANKED_AS_TAKEN in plans[1]) == ranked_as_taken, plans[1]
     for i, (got, want) in enumerate(zip(ours, stock)):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=atol, err_msg=f"variable {i}")
+
+
+def test_own_loop_notes_hold_for_their_function_and_are_withdrawn(caplog):
+    """A note says which traced function's optimizer took the gradients one by
+    one (a review found them process-wide at first): another function taking
+    gradients of the same variables ranks held, and a later trace of the
+    function where another optimizer holds them all withdraws the note."""
+    keras.utils.set_random_seed(7)
+    model, x = bert_like(), tf.constant(TOKENS[:8])
+    labels = tf.constant(LABELS[:8])
+    loss_of = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def losses(model, x):
+        return loss_of(labels, model(x, training=True))
+
+    def plans(step):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="memory_saving_gradients"):
+            with msg.checkpointing("memory"):
+                step(x)
+        return [RANKED_AS_TAKEN in r.getMessage() for r in caplog.records
+                if "strategy memory keeps" in r.getMessage()]
+
+    momentum = keras.optimizers.SGD(0.05, momentum=0.9)
+    assert plans(own_loop_step(model, momentum, losses)) == [False, True]
+
+    @tf.function
+    def gradients_only(x):
+        with tf.GradientTape() as tape:
+            loss = losses(model, x)
+        return tape.gradient(loss, model.trainable_variables)
+    assert plans(gradients_only) == [False]
+
+    # The same function name ("step"), another optimizer: its first trace still
+    # finds the note, its update withdraws it, and the trace that runs ranks held.
+    clipping = keras.optimizers.SGD(0.05, momentum=0.9, global_clipnorm=1.0)
+    assert plans(own_loop_step(model, clipping, losses)) == [True, False]

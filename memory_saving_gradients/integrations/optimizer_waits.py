@@ -20,8 +20,10 @@ A user's own step learns here whether its optimizer takes each weight
 gradient as it is made. Where a Keras 3 optimizer that updates each variable
 from its own gradient alone (`takes_each_gradient`) is handed, for every
 variable, the very gradient our `gradients` made for it, those variables are
-noted, and a later trace of the step (a tf.function traces again once its first
-trace created the optimizer's variables) plans its gradients of them as
+noted for the function being traced (by its name, which tf.function's traces
+share; an update there that does not take them so withdraws the note), and a
+later trace of it (a tf.function traces again once its first trace created the
+optimizer's variables) plans its gradients of them as
 `fit`'s step does: ranked by the peak with each weight gradient taken as it is
 made (`planned_for_updates`). A gradient clipped by a global norm, or any
 other value made from the gradients, is not ours: nothing is noted then.
@@ -42,7 +44,7 @@ import logging
 import sys
 import threading
 import weakref
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Set, Tuple
 
 import tensorflow as tf
 
@@ -58,9 +60,9 @@ _local = threading.local()  # .updating: inside a wrapped update already
 _OURS = "_memory_saving_gradients_waits"  # marks our wrappers
 # Per graph: id of a weight gradient our `gradients` returned -> id of its tf.Variable.
 _made_for = weakref.WeakKeyDictionary()
-# id of a tf.Variable an optimizer took its gradient for one by one -> a weak
-# reference to it (ids are reused once the variable is gone: the reference tells).
-_taken_one_by_one: Dict[int, weakref.ref] = {}
+# id of a tf.Variable -> (a weak reference to it: ids are reused once it is gone;
+# the names of the traced functions whose optimizer took its gradient one by one).
+_taken_one_by_one: Dict[int, Tuple[weakref.ref, Set[str]]] = {}
 
 
 def install(reason: Callable[[], bool]) -> None:
@@ -111,8 +113,9 @@ def takes_each_gradient(optimizer) -> bool:
 def planned_for_updates(gradients_of: Callable[[], list], sources: list) -> list:
     """`gradients_of()`, our gradients of `sources`: planned as taken one by one
     (`api.weight_gradients_taken`) where every source is a variable an optimizer
-    took its gradient for one by one in an earlier trace, and noted for the
-    optimizer's update, which may take them so."""
+    took its gradient for one by one in an earlier trace of the function being
+    traced (a function of the same name: tf.function's traces share it), and
+    noted for the optimizer's update, which may take them so."""
     found = [tf_variables.as_tf_variable(s) for s in sources]
     variables = [v for v in found if isinstance(v, tf.Variable)]
     taken = (bool(variables) and len(variables) == len(found)
@@ -128,26 +131,44 @@ def planned_for_updates(gradients_of: Callable[[], list], sources: list) -> list
 
 
 def _was_taken_one_by_one(variable: tf.Variable) -> bool:
-    ref = _taken_one_by_one.get(id(variable))
-    return ref is not None and ref() is variable
+    ref, functions = _taken_one_by_one.get(id(variable), (None, ()))
+    return (ref is not None and ref() is variable
+            and tf.compat.v1.get_default_graph().name in functions)
 
 
 def _note_taken_one_by_one(optimizer, gradients: list, variables) -> None:
-    """Notes `variables` where `optimizer` takes each of `gradients` as it is
-    made and each is the one our `gradients` made for its variable."""
-    if variables is None or not takes_each_gradient(optimizer):
+    """Notes, for the function being traced, `variables` where `optimizer`
+    takes each of `gradients` as it is made and each is the one our
+    `gradients` made for its variable; else withdraws that function's notes
+    of them (another optimizer, or gradients made into something else)."""
+    if variables is None:
         return
-    found = [tf_variables.as_tf_variable(v) for v in variables]
-    made = _made_for.get(tf.compat.v1.get_default_graph(), {})
-    if len(found) != len(gradients) or not all(
-            g is not None and made.get(id(_values(g))) == id(v)
-            for g, v in zip(gradients, found)):
-        return
+    graph = tf.compat.v1.get_default_graph()
+    found = [v for v in map(tf_variables.as_tf_variable, variables) if isinstance(v, tf.Variable)]
+    made = _made_for.get(graph, {})
+    taken = (takes_each_gradient(optimizer) and len(found) == len(gradients) and all(
+        g is not None and made.get(id(_values(g))) == id(v) for g, v in zip(gradients, found)))
     for variable in found:
-        key = id(variable)
-        _taken_one_by_one[key] = weakref.ref(
-            variable, lambda gone, key=key: _taken_one_by_one.pop(key, None)
-            if _taken_one_by_one.get(key) is gone else None)
+        ref, functions = _taken_one_by_one.get(id(variable), (None, set()))
+        if ref is None or ref() is not variable:
+            if not taken:
+                continue
+            ref, functions = _weak_entry(variable), set()
+        if taken:
+            functions.add(graph.name)
+        else:
+            functions.discard(graph.name)
+        _taken_one_by_one[id(variable)] = (ref, functions)
+
+
+def _weak_entry(variable: tf.Variable) -> weakref.ref:
+    """A weak reference to `variable` that drops its entry once it is gone."""
+    key = id(variable)
+
+    def forget(gone):
+        if _taken_one_by_one.get(key, (None,))[0] is gone:
+            _taken_one_by_one.pop(key, None)
+    return weakref.ref(variable, forget)
 
 
 def _values(gradient):
