@@ -150,6 +150,13 @@ def test_fit_ranks_as_taken_only_where_the_optimizer_takes_each(
     assert (RANKED_AS_TAKEN in caplog.text) == ranked_as_taken, caplog.text
 
 
+def _ranked_as_taken(caplog) -> list:
+    """For each `"memory"` plan logged in `caplog`, in order: whether its
+    plans were ranked with each weight gradient taken as it is made."""
+    return [RANKED_AS_TAKEN in r.getMessage() for r in caplog.records
+            if "strategy memory keeps" in r.getMessage()]
+
+
 def _own_loop(optimizer, checkpoints, clip_globally=False, steps=2):
     """A user's own step of the BERT-like model, run `steps` times with its
     first call traced inside `checkpointing(checkpoints)` (or stock); the
@@ -191,10 +198,8 @@ def test_own_loop_ranks_as_taken_once_its_optimizer_took_each_gradient(
     stock = _own_loop(optimizer, None, clip_globally)
     with caplog.at_level(logging.INFO, logger="memory_saving_gradients"):
         ours = _own_loop(optimizer, "memory", clip_globally)
-    plans = [r.getMessage() for r in caplog.records if "strategy memory keeps" in r.getMessage()]
-    assert len(plans) == 2, plans  # the trace creating variables, then the one that runs
-    assert RANKED_AS_TAKEN not in plans[0]
-    assert (RANKED_AS_TAKEN in plans[1]) == ranked_as_taken, plans[1]
+    # The trace creating variables, then the one that runs.
+    assert _ranked_as_taken(caplog) == [False, ranked_as_taken], caplog.text
     for i, (got, want) in enumerate(zip(ours, stock)):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=atol, err_msg=f"variable {i}")
 
@@ -217,8 +222,7 @@ def test_own_loop_notes_hold_for_their_function_and_are_withdrawn(caplog):
         with caplog.at_level(logging.INFO, logger="memory_saving_gradients"):
             with msg.checkpointing("memory"):
                 step(x)
-        return [RANKED_AS_TAKEN in r.getMessage() for r in caplog.records
-                if "strategy memory keeps" in r.getMessage()]
+        return _ranked_as_taken(caplog)
 
     momentum = keras.optimizers.SGD(0.05, momentum=0.9)
     assert plans(own_loop_step(model, momentum, losses)) == [False, True]
@@ -259,8 +263,7 @@ def _own_loop_keeping_gradients(checkpoints, caplog):
     with caplog.at_level(logging.INFO, logger="memory_saving_gradients"):
         with msg.checkpointing(checkpoints) if checkpoints else contextlib.nullcontext():
             step(x)
-    ranked = [RANKED_AS_TAKEN in r.getMessage() for r in caplog.records
-              if "strategy memory keeps" in r.getMessage()]
+    ranked = _ranked_as_taken(caplog)
     return min(msg.function_peak_bytes(step, x)[0] for _ in range(3)), ranked
 
 

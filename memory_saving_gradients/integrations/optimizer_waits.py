@@ -49,6 +49,7 @@ from typing import Callable, Dict, List, Set, Tuple
 import tensorflow as tf
 
 from memory_saving_gradients import api
+from memory_saving_gradients.tfgraph import gradient_waits
 from memory_saving_gradients.tfgraph import update_waits
 from memory_saving_gradients.tfgraph import variables as tf_variables
 
@@ -126,7 +127,7 @@ def planned_for_updates(gradients_of: Callable[[], list], sources: list) -> list
     made = _made_for.setdefault(tf.compat.v1.get_default_graph(), {})
     for variable, grad in zip(found, grads):
         if isinstance(variable, tf.Variable) and grad is not None:
-            made[id(_values(grad))] = id(variable)
+            made[id(gradient_waits.gradient_values(grad))] = id(variable)
     return grads
 
 
@@ -147,7 +148,8 @@ def _note_taken_one_by_one(optimizer, gradients: list, variables) -> None:
     found = [v for v in map(tf_variables.as_tf_variable, variables) if isinstance(v, tf.Variable)]
     made = _made_for.get(graph, {})
     taken = (takes_each_gradient(optimizer) and len(found) == len(gradients) and all(
-        g is not None and made.get(id(_values(g))) == id(v) for g, v in zip(gradients, found)))
+        g is not None and made.get(id(gradient_waits.gradient_values(g))) == id(v)
+        for g, v in zip(gradients, found)))
     for variable in found:
         ref, functions = _taken_one_by_one.get(id(variable), (None, set()))
         if ref is None or ref() is not variable:
@@ -169,10 +171,6 @@ def _weak_entry(variable: tf.Variable) -> weakref.ref:
         if _taken_one_by_one.get(key, (None,))[0] is gone:
             _taken_one_by_one.pop(key, None)
     return weakref.ref(variable, forget)
-
-
-def _values(gradient):
-    return gradient.values if isinstance(gradient, tf.IndexedSlices) else gradient
 
 
 def _is_ours(method) -> bool:
@@ -249,6 +247,6 @@ def _waits_here() -> bool:
 def _of_graph(gradient, graph: tf.Graph):
     """`gradient` if it is a Tensor or IndexedSlices of `graph`, else None
     (a variable, a value from outside): nothing is made to wait for it."""
-    values = gradient.values if isinstance(gradient, tf.IndexedSlices) else gradient
+    values = gradient_waits.gradient_values(gradient)
     # An eager tensor has no graph: its `graph` raises AttributeError.
     return gradient if getattr(values, "graph", None) is graph else None
