@@ -20,7 +20,7 @@ import memory_saving_gradients as msg
 import memory_saving_gradients.keras  # noqa: F401  (msg.keras)
 
 from memory_saving_gradients.integrations import layer_decorator
-from memory_saving_gradients.tfgraph import update_waits
+from memory_saving_gradients.tfgraph import gradient_waits, update_waits
 
 LAYERS, WIDTH = 8, 1024
 WEIGHT_BYTES = LAYERS * WIDTH * WIDTH * 4  # 32 MiB: each layer's 4 MiB, bias-free
@@ -167,6 +167,84 @@ def test_under_recompute_env_only_steps_holding_a_segment_wait(monkeypatch, capl
         assert "update wait" not in caplog.text
 
 
+def _ancestors(op):
+    seen, todo = set(), [op]
+    while todo:
+        current = todo.pop()
+        if current not in seen:
+            seen.add(current)
+            todo.extend([t.op for t in current.inputs] + list(current.control_inputs))
+    return seen
+
+
+def test_each_layers_update_runs_before_the_layer_below_is_differentiated(monkeypatch):
+    """With one inter-op thread TensorFlow's executor may run backprop's chain
+    on to its end and queue the updates beside it: every weight gradient and
+    momentum temporary held together (65-69 MiB in one process of five under
+    load, against 17). The gate before each decorated layer's input gradient
+    waits for the update of that layer's weight: the layer below's gradient
+    ops (MatMuls) run after every update above them."""
+    monkeypatch.setattr(layer_decorator, "_ENV_ON", True)
+    model = _dense_stack(_RecomputedDense)
+    step, x = own_loop_step(model, keras.optimizers.SGD(0.01, momentum=0.9)), tf.constant(_rows())
+    step(x)
+    graph = step.get_concrete_function(x).graph
+    handles = {inner.ref(): outer for outer, inner in graph.captures}
+    position = {id(v.handle): k for k, v in enumerate(model.trainable_variables)}
+
+    def layer_written(op):  # the index of the kernel an update writes, else None
+        outer = handles.get(op.inputs[0].ref()) if op.inputs else None
+        return position.get(id(outer))
+
+    updates = {layer_written(op): op for op in graph.get_operations()
+               if op.type == "AssignAddVariableOp" and layer_written(op) is not None}
+    assert sorted(updates) == list(range(LAYERS))
+    backprop_matmuls = [op for op in graph.get_operations()
+                        if op.type == "MatMul" and "gradients" in op.name]
+    after = [{op for op in backprop_matmuls if update in _ancestors(op)}
+             for _, update in sorted(updates.items())]
+    assert not after[0]  # nothing below the first layer
+    for layer in range(1, LAYERS):  # each layer's update before the one below's MatMuls
+        assert after[layer - 1] < after[layer], layer
+
+
+class _ReadsTopKernel(keras.layers.Layer):
+    """A decorated layer reading the top layer's kernel: as its own weight
+    (tied) or under stop_gradient, which the update of that kernel must come after."""
+
+    def __init__(self, model_top, tied):
+        super().__init__()
+        self._top, self._tied = [model_top], tied  # a list: not tracked as a sublayer
+
+    @msg.keras.recompute_grad
+    def call(self, x):
+        kernel = self._top[0].kernel
+        if self._tied:
+            return tf.tanh(tf.matmul(x, kernel))
+        return tf.tanh(x * tf.stop_gradient(tf.reduce_mean(kernel) + 1.0))
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "stop-gradient-read"])
+def test_an_update_a_lower_layer_must_precede_is_not_held_for(monkeypatch, tied):
+    """The top kernel's update needs the lower layer's gradient (tied), or
+    must come after the lower layer reads it: holding that layer back for the
+    update would be a cycle. Trains as undecorated."""
+    def train(env_on):
+        monkeypatch.setattr(layer_decorator, "_ENV_ON", env_on)
+        keras.utils.set_random_seed(7)
+        top = _RecomputedDense(16, use_bias=False)
+        top.build((None, 16))
+        model = keras.Sequential([keras.Input((16,)), _RecomputedDense(16, use_bias=False),
+                                  _ReadsTopKernel(top, tied), top])
+        step = own_loop_step(model, keras.optimizers.SGD(0.1, momentum=0.9))
+        for _ in range(3):
+            step(tf.constant(np.linspace(-1, 1, 64, dtype=np.float32).reshape(4, 16)))
+        return model.get_weights()
+    stock = train(False)
+    for got, want in zip(train(True), stock):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_updates_read_each_gradient_past_an_identity_n_over_them_all():
     """An IdentityN over gradients, or over what each one was made into (a
     clip), is passed by; one that also hands on something else is left."""
@@ -193,6 +271,32 @@ def test_updates_read_each_gradient_past_an_identity_n_over_them_all():
         checked.append(True)
     _traced(step)
     assert checked
+
+
+@pytest.mark.parametrize("read_after_gate", [False, True], ids=["held", "would-be-a-cycle"])
+def test_a_gate_waits_for_an_update_only_where_that_makes_no_cycle(read_after_gate):
+    """A gate waiting for v's gradient is held for the updates written with it
+    alone; not where one of them writes u, which an op after the gate reads
+    (automatic control dependencies order that write after the read)."""
+    v, u = tf.Variable(tf.ones([4, 4])), tf.Variable(tf.ones([4, 4]))
+    held = []
+
+    def step(made_by):
+        (grad,) = tf.gradients(tf.reduce_sum(tf.matmul(v, v) ** 2), [v])
+        level_gate = gradient_waits.gate([grad])
+        with tf.control_dependencies([level_gate]):
+            after_gate = u.read_value() if read_after_gate else tf.ones([4, 4])
+
+        def write():
+            v.assign_sub(grad * 0.1)
+            u.assign_add(grad * 0.1)
+        made = made_by(write)
+        held.append(update_waits.hold_next_levels_for_updates([grad], made))
+        writes = [op for op in made if op.type in ("AssignSubVariableOp", "AssignAddVariableOp")]
+        assert all((w in level_gate.op.control_inputs) != read_after_gate for w in writes)
+        return after_gate
+    _traced(step)
+    assert held == [0 if read_after_gate else 1]
 
 
 def _embedding_model():

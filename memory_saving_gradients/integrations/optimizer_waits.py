@@ -10,7 +10,12 @@ makes its work that needs no gradient wait for the gradient it serves
 (tfgraph/update_waits.py): else momentum SGD's `m * momentum`, RMSprop's
 decayed average and AdamW's weight decay run at the step's start and hold a
 weight-sized buffer per variable through backprop. That holds for the user's
-own training loop as for `fit`. Values do not change.
+own training loop as for `fit`. And each gate (gradient_waits.gate) that
+waits for a gradient, before the next level's recomputation or a decorated
+layer's input gradient, waits too for that gradient's update
+(`hold_next_levels_for_updates`): else with one inter-op thread the executor
+may run backprop's chain on to its end and queue the updates until then,
+every weight gradient held. Values do not change.
 
 Nothing waits where the step runs eagerly, under a distribution strategy
 (whose replicas trace into one graph at once), or for gradients that are not
@@ -230,8 +235,10 @@ def _waiting(stock: Callable, takes_pairs: bool) -> Callable:
         made = graph.get_operations()[start:]
         update_waits.pass_gradients_straight(gradients, made)
         waiting = update_waits.wait_for_gradients(gradients, made)
-        logger.debug("memory_saving_gradients: %d ops of %s's update wait for their gradient",
-                     waiting, type(args[0]).__name__)
+        held = update_waits.hold_next_levels_for_updates(gradients, made)
+        logger.debug("memory_saving_gradients: %d ops of %s's update wait for their gradient; "
+                     "the next level waits for %d variables' updates", waiting,
+                     type(args[0]).__name__, held)
         return result
 
     update._replaces = stock  # pylint: disable=protected-access

@@ -8,9 +8,17 @@ reruns and the layer decorator.
 
 from __future__ import annotations
 
+import weakref
+
 import tensorflow as tf
 
 from memory_saving_gradients.tfgraph import compat
+
+
+# Per graph: the name of each tensor a gate waits for -> (the name of the
+# gate's op, of the op reading the tensor's element for it, or None for a
+# scalar) per gate. Names: a tensor held here would keep its graph alive.
+_gates_of = weakref.WeakKeyDictionary()
 
 
 def gradient_values(gradient):
@@ -80,6 +88,21 @@ def reaches(first: tf.Operation, targets) -> bool:
     return False
 
 
+def gates_waiting_for(tensor: tf.Tensor) -> list:
+    """(gate op, element read) for each gate (`gate`) that waits for `tensor`.
+
+    An op made a gate op's control input holds its level back until it has
+    run (a weight's update: integrations/optimizer_waits.py); the gate op
+    reads no buffer, so waiting there keeps no gradient alive. The element
+    read is the op reading `tensor` for the gate (None for a scalar): once it
+    has run, the tensor's other readers may take its buffer.
+    """
+    def op(name):
+        return None if name is None else tensor.graph.get_operation_by_name(name)
+    return [(op(gate), op(read))
+            for gate, read in _gates_of.get(tensor.graph, {}).get(tensor.name, ())]
+
+
 def is_numeric(dtype: tf.DType) -> bool:
     return dtype.is_floating or dtype.is_integer or dtype.is_complex
 
@@ -99,13 +122,23 @@ def gate(gradients: list):
     values = [gradient_values(g) for g in gradients if is_numeric(gradient_values(g).dtype)]
     if not values:
         return None
+    reads = {}  # name of a value -> name of the op reading its element
+    made = _gate_of(values, reads)
+    waiting = _gates_of.setdefault(made.graph, {})
+    for v in values:
+        waiting.setdefault(v.name, []).append((made.op.name, reads.get(v.name)))
+    return made
+
+
+def _gate_of(values: list, reads: dict) -> tf.Tensor:
+    """`gate` of the numeric `values`, noting the ops reading them in `reads`."""
     by_dtype = {}
     for v in values:
         by_dtype.setdefault(v.dtype, []).append(v)
     with tf.name_scope("wait_for_gradients"):
         flags = []
         for group in [g for dtype, g in by_dtype.items() if dtype in _ARITHMETIC]:
-            elements = _first_elements(group)
+            elements = _first_elements(group, reads)
             flags.append(tf.raw_ops.NotEqual(x=elements, y=elements))
         others = [v for dtype, g in by_dtype.items() if dtype not in _ARITHMETIC for v in g]
         if not others:
@@ -126,9 +159,10 @@ _ARITHMETIC = frozenset({
     tf.int8, tf.int16, tf.int32, tf.int64, tf.uint8, tf.uint16, tf.uint32, tf.uint64})
 
 
-def _first_elements(values: list) -> tf.Tensor:
+def _first_elements(values: list, reads: dict) -> tf.Tensor:
     """A vector of the first element of each of `values` (tensors of one
-    dtype; nothing of an empty one).
+    dtype; nothing of an empty one), noting in `reads` the name of the op
+    reading each non-scalar's element.
 
     One op per tensor of known non-empty shape: a slice of one element per
     axis, each axis dropped. A gate reads every weight gradient of a level,
@@ -156,10 +190,12 @@ def _first_elements(values: list) -> tf.Tensor:
             scalars.append(compat.new_op(
                 "StridedSlice", [v, const(*[0] * rank), ones, ones], T=v.dtype, Index=tf.int32,
                 shrink_axis_mask=(1 << rank) - 1).outputs[0])
+            reads[v.name] = scalars[-1].op.name
         else:
             vectors.append(tf.raw_ops.StridedSlice(
                 input=tf.raw_ops.Reshape(tensor=v, shape=const(-1)),
                 begin=const(0), end=const(1), strides=const(1)))
+            reads[v.name] = vectors[-1].op.name
     parts = ([compat.new_op("Pack", scalars, T=values[0].dtype, N=len(scalars)).outputs[0]]
              if scalars else []) + vectors
     return parts[0] if len(parts) == 1 else tf.concat(parts, axis=0)
