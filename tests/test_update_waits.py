@@ -273,11 +273,14 @@ def test_updates_read_each_gradient_past_an_identity_n_over_them_all():
     assert checked
 
 
-@pytest.mark.parametrize("read_after_gate", [False, True], ids=["held", "would-be-a-cycle"])
-def test_a_gate_waits_for_an_update_only_where_that_makes_no_cycle(read_after_gate):
+@pytest.mark.parametrize("after_gate", [None, "read", "check"],
+                         ids=["held", "a-read-ordered-before-a-write", "stateful-ops-in-order"])
+def test_a_gate_waits_for_an_update_only_where_that_makes_no_cycle(after_gate):
     """A gate waiting for v's gradient is held for the updates written with it
-    alone; not where one of them writes u, which an op after the gate reads
-    (automatic control dependencies order that write after the read)."""
+    alone; not where one of them writes u, which an op after the gate reads,
+    nor where the update comes after a check made after the gate: automatic
+    control dependencies order that write after the read, and stateful ops
+    that take no variable one after another."""
     v, u = tf.Variable(tf.ones([4, 4])), tf.Variable(tf.ones([4, 4]))
     held = []
 
@@ -285,18 +288,22 @@ def test_a_gate_waits_for_an_update_only_where_that_makes_no_cycle(read_after_ga
         (grad,) = tf.gradients(tf.reduce_sum(tf.matmul(v, v) ** 2), [v])
         level_gate = gradient_waits.gate([grad])
         with tf.control_dependencies([level_gate]):
-            after_gate = u.read_value() if read_after_gate else tf.ones([4, 4])
+            later = {None: lambda: tf.ones([4, 4]), "read": u.read_value,
+                     "check": lambda: tf.debugging.check_numerics(tf.ones([4, 4]) * 2, "")}
+            after = later[after_gate]()
 
         def write():
-            v.assign_sub(grad * 0.1)
-            u.assign_add(grad * 0.1)
+            checked = tf.debugging.check_numerics(tf.constant(0.1) + 0.0, "")
+            with tf.control_dependencies([checked] if after_gate == "check" else []):
+                v.assign_sub(grad * 0.1)
+                u.assign_add(grad * 0.1)
         made = made_by(write)
         held.append(update_waits.hold_next_levels_for_updates([grad], made))
         writes = [op for op in made if op.type in ("AssignSubVariableOp", "AssignAddVariableOp")]
-        assert all((w in level_gate.op.control_inputs) != read_after_gate for w in writes)
-        return after_gate
+        assert all((w in level_gate.op.control_inputs) == (after_gate is None) for w in writes)
+        return after
     _traced(step)
-    assert held == [0 if read_after_gate else 1]
+    assert held == [1 if after_gate is None else 0]
 
 
 def _embedding_model():

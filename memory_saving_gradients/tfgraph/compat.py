@@ -11,6 +11,7 @@ import contextlib
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.eager import record
+from tensorflow.python.framework import auto_control_deps
 from tensorflow.python.framework import func_graph as func_graph_module
 from tensorflow.python.framework import function_def_to_graph
 from tensorflow.python.framework import importer
@@ -414,6 +415,15 @@ def differentiated_by_stock(loop: tf.Operation) -> bool:
 def orders_stateful_ops(graph: tf.Graph) -> bool:
     """True for a tf.function graph, which orders stateful ops in program order."""
     return getattr(graph, "_add_control_dependencies", False)
+
+
+def chained_without_resources(op: tf.Operation) -> bool:
+    """Whether a tf.function's automatic control dependencies chain `op`, in
+    program order, with the other stateful ops that take no resource (a
+    CheckNumerics, a print): true of such an op outside control flow."""
+    return (auto_control_deps.op_is_stateful(op)
+            and op._control_flow_context is None  # pylint: disable=protected-access
+            and not any(t.dtype == tf.resource for t in op.inputs))
 
 
 def set_gradient_override(op: tf.Operation, gradient_name) -> None:

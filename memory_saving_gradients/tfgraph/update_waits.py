@@ -89,7 +89,8 @@ def hold_next_levels_for_updates(gradients: list, ops: list) -> int:
     65-69 MiB in one process of five, where the step otherwise peaks at 17).
     Values do not change: a gradient's update is held back from no op that
     runs after it now or that automatic control dependencies will order
-    after it (the reads and writes of one variable keep their order); where
+    after it (the reads and writes of one variable keep their order, as do
+    stateful ops that take no variable: a CheckNumerics, a print); where
     a wait would close a cycle (a variable shared with a lower layer, whose
     gradient comes after that gate), that gradient's update is left as it is.
     Same conditions as `wait_for_gradients`.
@@ -107,15 +108,17 @@ def hold_next_levels_for_updates(gradients: list, ops: list) -> int:
     gates = {index: found for index, found in gates.items() if found}
     if not gates:
         return 0
-    later = _runs_later(ops[0].graph)
+    reached = _writes_reached(ops[0].graph, [g for found in gates.values() for g, _ in found],
+                              writes)
     # Index a leads to b where a gate of a's gradient runs before one of b's
     # writes: waits for both would close a cycle through a and b.
     leads_to = nx.DiGraph()
     leads_to.add_nodes_from(gates)
     for a, found in gates.items():
-        after_a = [later(gate) for gate, _ in found]
-        leads_to.add_edges_from((a, b) for b in gates
-                                if any(w in s for s in after_a for w in writes[b]))
+        mask = 0
+        for gate, _ in found:
+            mask |= reached[gate]
+        leads_to.add_edges_from((a, b) for b in gates if mask >> b & 1)
     while not nx.is_directed_acyclic_graph(leads_to):
         leads_to.remove_node(nx.find_cycle(leads_to)[0][0])
     inside = set(ops)
@@ -132,26 +135,47 @@ def hold_next_levels_for_updates(gradients: list, ops: list) -> int:
     return leads_to.number_of_nodes()
 
 
-def _runs_later(graph: tf.Graph):
-    """`later(op)`: the set of ops that will run after `op` once the
+def _writes_reached(graph: tf.Graph, starts: list, writes: dict) -> dict:
+    """For each op of `starts` and each op after one, a bit mask of the
+    indices b such that it will run before an op of `writes[b]` once the
     function's automatic control dependencies are added (by data and control
-    edges, and by the order of the ops using one variable), `op` among them;
-    one walk per op asked (a gate waits for a level's every gradient)."""
+    edges, and by the order of the ops using one resource). One walk over the
+    ops after any of `starts`, each op's mask made of its successors'."""
     after = _variable_order(graph.get_operations())[1]
-    walked = {}
+    own = {}
+    for index, ops in writes.items():
+        for op in ops:
+            own[op] = own.get(op, 0) | 1 << index
 
-    def later(first):
-        if first not in walked:
-            seen, todo = set(), [first]
-            while todo:
-                op = todo.pop()
-                if op not in seen:
-                    seen.add(op)
-                    todo.extend([c for out in op.outputs for c in out.consumers()]
-                                + compat.control_outputs(op) + after.get(op, []))
-            walked[first] = seen
-        return walked[first]
-    return later
+    def successors(op):
+        return ([c for out in op.outputs for c in out.consumers()]
+                + compat.control_outputs(op) + after.get(op, []))
+
+    reached, open_ops = {}, set()
+    for start in starts:
+        if start in reached:
+            continue
+        stack = [[start, successors(start), 0]]  # op, successors, next to visit
+        open_ops.add(start)
+        while stack:
+            frame = stack[-1]
+            op, following, position = frame
+            while position < len(following) and (following[position] in reached
+                                                 or following[position] in open_ops):
+                position += 1
+            if position < len(following):
+                frame[2] = position + 1
+                child = following[position]
+                stack.append([child, successors(child), 0])
+                open_ops.add(child)
+                continue
+            mask = own.get(op, 0)
+            for child in following:
+                mask |= reached.get(child, 0)  # an open one: a cycle, already in the graph
+            reached[op] = mask
+            open_ops.discard(op)
+            stack.pop()
+    return reached
 
 
 def pass_gradients_straight(gradients: list, ops: list) -> int:
@@ -233,10 +257,14 @@ def _serves(ops, inside, needs, after) -> dict:
 
 def _variable_order(ops: list) -> tuple:
     """For each op, the earlier and the later of `ops` that automatic control
-    dependencies will order it after and before, by the variables it uses."""
-    uses = {}  # resource tensor ref -> ops using it, in order
+    dependencies will order it after and before, by the variables it uses
+    (and, as writes of one more resource, the stateful ops that take none)."""
+    uses = {}  # resource tensor ref (None: no resource) -> ops using it, in order
     for op in ops:
-        for resource in {t.ref() for t in op.inputs if t.dtype == tf.resource}:
+        resources = {t.ref() for t in op.inputs if t.dtype == tf.resource}
+        if not resources and compat.chained_without_resources(op):
+            resources = {None}
+        for resource in resources:
             uses.setdefault(resource, []).append(op)
     before = {op: [] for op in ops}
     after = {op: [] for op in ops}
