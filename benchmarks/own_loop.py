@@ -20,6 +20,7 @@ Writes benchmarks/results/own_loop.json (or --out) and prints a table.
 """
 
 import argparse
+import importlib
 import json
 import os
 import statistics
@@ -28,12 +29,25 @@ import time
 from benchmarks import keras_fit
 
 METHODS = {"stock tape": None, "checkpointing(memory)": "memory",
-           # The optimizer's update as stock makes it: no IdentityN passed by,
-           # nothing waiting (tfgraph/update_waits.py switched off).
            "checkpointing(memory), updates as stock": "memory, updates as stock",
-           # Plans ranked with every weight gradient held, as before session 56
-           # (the optimizer's taking each gradient one by one never noted).
-           "checkpointing(memory), ranked held": "memory, ranked held"}
+           "checkpointing(memory), ranked held": "memory, ranked held",
+           "checkpointing(memory), next level not held": "memory, next level not held"}
+# "memory" with parts of the library switched off: the module, and what each
+# of its functions named returns instead.
+SWITCHED_OFF = {
+    # The optimizer's update as stock makes it: no IdentityN passed by, nothing
+    # waiting for a gradient nor held for (tfgraph/update_waits.py).
+    "memory, updates as stock": ("tfgraph.update_waits", {
+        "wait_for_gradients": 0, "pass_gradients_straight": 0,
+        "hold_next_levels_for_updates": 0}),
+    # Plans ranked with every weight gradient held, as before session 56 (the
+    # optimizer's taking each gradient one by one never noted).
+    "memory, ranked held": ("integrations.optimizer_waits", {"_note_taken_one_by_one": None}),
+    # The next level not held for the updates of the level above, as before
+    # session 57.
+    "memory, next level not held": ("tfgraph.update_waits",
+                                    {"hold_next_levels_for_updates": 0}),
+}
 RESULTS = os.path.join(os.path.dirname(__file__), "results", "own_loop.json")
 
 
@@ -47,14 +61,11 @@ def measure(model_name, checkpoints, steps, returns, threads=0, optimizer="adam"
     import contextlib
     import keras
 
-    if checkpoints == "memory, updates as stock":
-        from memory_saving_gradients.tfgraph import update_waits
-        update_waits.wait_for_gradients = lambda gradients, ops: 0
-        update_waits.pass_gradients_straight = lambda gradients, ops: 0
-        checkpoints = "memory"
-    if checkpoints == "memory, ranked held":
-        from memory_saving_gradients.integrations import optimizer_waits
-        optimizer_waits._note_taken_one_by_one = lambda *args: None  # pylint: disable=protected-access
+    if checkpoints in SWITCHED_OFF:
+        module, returns_instead = SWITCHED_OFF[checkpoints]
+        switched = importlib.import_module(f"memory_saving_gradients.{module}")
+        for name, value in returns_instead.items():
+            setattr(switched, name, lambda *args, value=value, **kwargs: value)
         checkpoints = "memory"
     model, x, y = keras_fit.build(model_name, optimizer)
     optimizer = model.optimizer
