@@ -36,7 +36,6 @@ LAYERS, WIDTH, ROWS = 8, 1024, 256
 
 def measure(method, threads, steps=4):
     """Runs in the child process: the step's peaks in MiB, one per step."""
-    import numpy as np
     import tensorflow as tf
     if threads:
         tf.config.threading.set_inter_op_parallelism_threads(threads)
@@ -59,9 +58,21 @@ def measure(method, threads, steps=4):
         layer = RecomputedDense
     if method == "decorated, next layer not held":
         update_waits.hold_next_levels_for_updates = lambda gradients, ops: 0
+    step, x = dense_stack_step(layer)
+    step(x)
+    return [msg.function_peak_bytes(step, x)[0] / 2**20 for _ in range(steps)]
+
+
+def dense_stack_step(layer, rows=ROWS, activation=None, returns="loss"):
+    """(a traced-on-call training step, its batch): LAYERS bias-free
+    `layer(WIDTH)` from fixed seeds, momentum SGD, a GradientTape step
+    returning the loss or the gradients it applies (`returns`)."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
     keras.utils.set_random_seed(3)
     model = keras.Sequential([keras.Input((WIDTH,))] + [
-        layer(WIDTH, use_bias=False) for _ in range(LAYERS)])
+        layer(WIDTH, activation, use_bias=False) for _ in range(LAYERS)])
     optimizer = keras.optimizers.SGD(0.01, momentum=0.9)
 
     @tf.function
@@ -70,11 +81,10 @@ def measure(method, threads, steps=4):
             loss = tf.reduce_mean((model(x) - x) ** 2)
         grads = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
-        return loss
+        return {"loss": loss, "gradients": grads}[returns]
 
-    x = tf.constant(np.linspace(-1, 1, ROWS * WIDTH, dtype=np.float32).reshape(ROWS, WIDTH))
-    step(x)
-    return [msg.function_peak_bytes(step, x)[0] / 2**20 for _ in range(steps)]
+    x = np.linspace(-1, 1, rows * WIDTH, dtype=np.float32).reshape(rows, WIDTH)
+    return step, tf.constant(x)
 
 
 def _busy(count):

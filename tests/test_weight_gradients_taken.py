@@ -29,6 +29,7 @@ import tensorflow as tf
 import memory_saving_gradients as msg
 import memory_saving_gradients.keras  # noqa: F401  (msg.keras)
 
+from benchmarks import under_load
 from memory_saving_gradients.core import pricing
 from memory_saving_gradients.core import strategies
 from random_models import random_model
@@ -245,20 +246,8 @@ def _own_loop_keeping_gradients(checkpoints, caplog):
     applies its gradients and returns them too (so holds them all to its end):
     the least allocator peak of three steps after the traced ones, and the
     plans' ranking notes."""
-    keras.utils.set_random_seed(3)
-    model = keras.Sequential([keras.Input((1024,))] + [
-        keras.layers.Dense(1024, "tanh", use_bias=False) for _ in range(8)])
-    optimizer = keras.optimizers.SGD(0.01, momentum=0.9)
-
-    @tf.function
-    def step(x):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean((model(x) - x) ** 2)
-        grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables))
-        return grads
-
-    x = tf.constant(np.linspace(-1, 1, 1024 * 1024, dtype=np.float32).reshape(1024, 1024))
+    step, x = under_load.dense_stack_step(keras.layers.Dense, rows=1024, activation="tanh",
+                                          returns="gradients")
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="memory_saving_gradients"):
         with msg.checkpointing(checkpoints) if checkpoints else contextlib.nullcontext():
