@@ -63,16 +63,22 @@ def measure(method, threads, steps=4):
     return [msg.function_peak_bytes(step, x)[0] / 2**20 for _ in range(steps)]
 
 
+def dense_stack(layer, activation=None):
+    """LAYERS bias-free `layer(WIDTH, activation)`, from fixed seeds."""
+    import keras
+    keras.utils.set_random_seed(3)
+    return keras.Sequential([keras.Input((WIDTH,))] + [
+        layer(WIDTH, activation, use_bias=False) for _ in range(LAYERS)])
+
+
 def dense_stack_step(layer, rows=ROWS, activation=None, returns="loss"):
-    """(a traced-on-call training step, its batch): LAYERS bias-free
-    `layer(WIDTH)` from fixed seeds, momentum SGD, a GradientTape step
-    returning the loss or the gradients it applies (`returns`)."""
+    """(a traced-on-call training step, its batch): `dense_stack`, momentum
+    SGD, a GradientTape step returning the loss or the gradients it applies
+    (`returns`)."""
     import keras
     import numpy as np
     import tensorflow as tf
-    keras.utils.set_random_seed(3)
-    model = keras.Sequential([keras.Input((WIDTH,))] + [
-        layer(WIDTH, activation, use_bias=False) for _ in range(LAYERS)])
+    model = dense_stack(layer, activation)
     optimizer = keras.optimizers.SGD(0.01, momentum=0.9)
 
     @tf.function

@@ -19,10 +19,11 @@ import tensorflow as tf
 import memory_saving_gradients as msg
 import memory_saving_gradients.keras  # noqa: F401  (msg.keras)
 
+from benchmarks import under_load
 from memory_saving_gradients.integrations import layer_decorator
 from memory_saving_gradients.tfgraph import gradient_waits, update_waits
 
-LAYERS, WIDTH = 8, 1024
+LAYERS, WIDTH = under_load.LAYERS, under_load.WIDTH
 WEIGHT_BYTES = LAYERS * WIDTH * WIDTH * 4  # 32 MiB: each layer's 4 MiB, bias-free
 
 
@@ -33,9 +34,7 @@ class _RecomputedDense(keras.layers.Dense):
 
 
 def _dense_stack(layer=keras.layers.Dense):
-    keras.utils.set_random_seed(3)
-    return keras.Sequential([keras.Input((WIDTH,))] + [
-        layer(WIDTH, use_bias=False) for _ in range(LAYERS)])
+    return under_load.dense_stack(layer)
 
 
 def _rows():
