@@ -272,26 +272,38 @@ def test_updates_read_each_gradient_past_an_identity_n_over_them_all():
     assert checked
 
 
-@pytest.mark.parametrize("after_gate", [None, "read", "check"],
-                         ids=["held", "a-read-ordered-before-a-write", "stateful-ops-in-order"])
+@pytest.mark.parametrize("after_gate", [None, "read", "check", "is-initialized", "handle-copy"],
+                         ids=["held", "a-read-ordered-before-a-write", "stateful-ops-in-order",
+                              "is-initialized-counts-as-a-write", "a-handle-through-identity"])
 def test_a_gate_waits_for_an_update_only_where_that_makes_no_cycle(after_gate):
     """A gate waiting for v's gradient is held for the updates written with it
-    alone; not where one of them writes u, which an op after the gate reads,
-    nor where the update comes after a check made after the gate: automatic
-    control dependencies order that write after the read, and stateful ops
-    that take no variable one after another."""
+    alone; not where automatic control dependencies will order one of them
+    after an op that runs after the gate: a write of u after a read of u, an
+    update after a check (stateful ops that take no variable run in order),
+    a read of u after a `VarIsInitializedOp` of it or after a write of u
+    through an Identity of its handle (both writes to them)."""
     v, u = tf.Variable(tf.ones([4, 4])), tf.Variable(tf.ones([4, 4]))
     held = []
 
     def step(made_by):
         (grad,) = tf.gradients(tf.reduce_sum(tf.matmul(v, v) ** 2), [v])
+        handle_copy = tf.identity(u.handle)
         level_gate = gradient_waits.gate([grad])
         with tf.control_dependencies([level_gate]):
-            later = {None: lambda: tf.ones([4, 4]), "read": u.read_value,
-                     "check": lambda: tf.debugging.check_numerics(tf.ones([4, 4]) * 2, "")}
-            after = later[after_gate]()
+            after = {
+                None: lambda: tf.ones([4, 4]), "read": u.read_value,
+                "is-initialized": u.read_value,
+                "check": lambda: tf.debugging.check_numerics(tf.ones([4, 4]) * 2, ""),
+                "handle-copy": lambda: tf.raw_ops.AssignAddVariableOp(
+                    resource=handle_copy, value=tf.zeros([4, 4])),
+            }[after_gate]()
+        if after_gate == "is-initialized":
+            tf.raw_ops.VarIsInitializedOp(resource=u.handle)
 
         def write():
+            if after_gate in ("is-initialized", "handle-copy"):  # reads u
+                v.assign_sub(grad * tf.reduce_mean(u.read_value()))
+                return
             checked = tf.debugging.check_numerics(tf.constant(0.1) + 0.0, "")
             with tf.control_dependencies([checked] if after_gate == "check" else []):
                 v.assign_sub(grad * 0.1)
@@ -300,7 +312,7 @@ def test_a_gate_waits_for_an_update_only_where_that_makes_no_cycle(after_gate):
         held.append(update_waits.hold_next_levels_for_updates([grad], made))
         writes = [op for op in made if op.type in ("AssignSubVariableOp", "AssignAddVariableOp")]
         assert all((w in level_gate.op.control_inputs) == (after_gate is None) for w in writes)
-        return after
+        return after if isinstance(after, tf.Tensor) else tf.constant(0.0)
     _traced(step)
     assert held == [1 if after_gate is None else 0]
 

@@ -417,13 +417,19 @@ def orders_stateful_ops(graph: tf.Graph) -> bool:
     return getattr(graph, "_add_control_dependencies", False)
 
 
-def chained_without_resources(op: tf.Operation) -> bool:
-    """Whether a tf.function's automatic control dependencies chain `op`, in
-    program order, with the other stateful ops that take no resource (a
-    CheckNumerics, a print): true of such an op outside control flow."""
-    return (auto_control_deps.op_is_stateful(op)
-            and op._control_flow_context is None  # pylint: disable=protected-access
-            and not any(t.dtype == tf.resource for t in op.inputs))
+def ordered_uses(op: tf.Operation) -> list:
+    """What a tf.function's automatic control dependencies order `op` by: a
+    (resource tensor, whether `op` may write it) pair per resource it takes,
+    as they see them (a handle through an Identity is its source; a call's
+    read-only inputs are reads), in program order with the other uses of that
+    resource; or [(None, True)] for a stateful op that takes none (a
+    CheckNumerics, a print: chained in program order); [] otherwise."""
+    uses = [(t, kind == auto_control_deps.ResourceType.READ_WRITE)
+            for t, kind in auto_control_deps._get_resource_inputs(op)]  # pylint: disable=protected-access
+    if (not uses and auto_control_deps.op_is_stateful(op)
+            and op._control_flow_context is None):  # pylint: disable=protected-access
+        return [(None, True)]
+    return uses
 
 
 def set_gradient_override(op: tf.Operation, gradient_name) -> None:

@@ -25,7 +25,6 @@ import tensorflow as tf
 
 from memory_saving_gradients.tfgraph import compat
 from memory_saving_gradients.tfgraph import gradient_waits
-from memory_saving_gradients.tfgraph import purity
 
 # Ops that hand an input on unchanged: output k needs what input k needs.
 _PASS_THROUGH_OP_TYPES = frozenset({"Identity", "IdentityN"})
@@ -257,21 +256,17 @@ def _serves(ops, inside, needs, after) -> dict:
 
 def _variable_order(ops: list) -> tuple:
     """For each op, the earlier and the later of `ops` that automatic control
-    dependencies will order it after and before, by the variables it uses
+    dependencies will order it after and before, by the resources it uses
     (and, as writes of one more resource, the stateful ops that take none)."""
-    uses = {}  # resource tensor ref (None: no resource) -> ops using it, in order
+    uses = {}  # resource tensor ref (None: no resource) -> (op, writes it), in order
     for op in ops:
-        resources = {t.ref() for t in op.inputs if t.dtype == tf.resource}
-        if not resources and compat.chained_without_resources(op):
-            resources = {None}
-        for resource in resources:
-            uses.setdefault(resource, []).append(op)
+        for resource, writes in compat.ordered_uses(op):
+            uses.setdefault(None if resource is None else resource.ref(), []).append((op, writes))
     before = {op: [] for op in ops}
     after = {op: [] for op in ops}
     for chain in uses.values():
         last_write, reads = None, []
-        for op in chain:
-            writes = _writes(op)
+        for op, writes in chain:
             waits_for = ([last_write] if last_write else []) + (reads if writes else [])
             for earlier in waits_for:
                 before[op].append(earlier)
@@ -283,14 +278,9 @@ def _variable_order(ops: list) -> tuple:
     return before, after
 
 
-def _writes(op: tf.Operation) -> bool:
-    """Of an op using a variable: whether it may write it."""
-    return op.type not in purity.READ_OP_TYPES
-
-
 def _writes_a_variable(op: tf.Operation) -> bool:
     # Written while backprop still reads the old value, a variable is copied.
-    return _writes(op) and any(t.dtype == tf.resource for t in op.inputs)
+    return any(writes for resource, writes in compat.ordered_uses(op) if resource is not None)
 
 
 def _makes_more_than_one_element(op: tf.Operation) -> bool:
