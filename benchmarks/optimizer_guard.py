@@ -3,7 +3,7 @@ outweigh its activations, stock beside "memory" with and without the stock
 fallback, in fresh processes per threading.
 
     python -m benchmarks.optimizer_guard [--processes 3] [--threads default,1]
-                                         [--shapes 128x512,...] [--out NAME]
+                                         [--shapes 128x512,...] [--busy 0] [--out NAME]
 
 The step (ROWSxWIDTH, 128x512 by default): 12 Keras Dense(WIDTH, relu) +
 BatchNormalization layers on ROWS rows and SGD's `apply_gradients` in the
@@ -15,8 +15,10 @@ each weight gradient taken as it is made); "memory, fallback off" is the plan
 the fallback refuses.
 
 Each process measures the three variants in turn, CALLS calls each, as the
-allocator's peak (TF_CPU_ALLOCATOR_USE_BFC=1). Rows are appended to
-results/NAME.jsonl; a table of the medians and ranges in MiB is printed.
+allocator's peak (TF_CPU_ALLOCATOR_USE_BFC=1). `--busy N` runs them beside N
+CPU-spinning processes (`under_load.busy`), where the executor may settle on
+other orders. Rows are appended to results/NAME.jsonl; a table of the medians
+and ranges in MiB is printed.
 """
 
 import argparse
@@ -26,6 +28,8 @@ import pathlib
 import statistics
 import subprocess
 import sys
+
+from benchmarks import under_load
 
 LAYERS = 12
 CALLS = 3
@@ -84,17 +88,8 @@ def print_peaks(rows, width):
     print(json.dumps({variant: _measure(variant, rows, width) for variant in VARIANTS}))
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--processes", type=int, default=3)
-    parser.add_argument("--threads", default="default,1",
-                        help="inter-op threads per process: default or a number")
-    parser.add_argument("--shapes", default="128x512", help="ROWSxWIDTH, comma-separated")
-    parser.add_argument("--out", default="optimizer_guard")
-    parser.add_argument("--child", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.child:
-        return print_peaks(*map(int, args.child.split("x")))
+def _measured_rows(args) -> list:
+    """A row per (shape, threading, process, variant), each process fresh."""
     rows = []
     for shape in args.shapes.split(","):
         for threads in args.threads.split(","):
@@ -108,7 +103,25 @@ def main(argv=None):
                     env=env, check=True, timeout=1800, capture_output=True, text=True)
                 measured = json.loads(done.stdout.strip().splitlines()[-1])
                 rows += [{"shape": shape, "threads": threads, "process": process,
-                          "variant": variant, **row} for variant, row in measured.items()]
+                          "busy": args.busy, "variant": variant, **row}
+                         for variant, row in measured.items()]
+    return rows
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--processes", type=int, default=3)
+    parser.add_argument("--threads", default="default,1",
+                        help="inter-op threads per process: default or a number")
+    parser.add_argument("--shapes", default="128x512", help="ROWSxWIDTH, comma-separated")
+    parser.add_argument("--busy", type=int, default=0, help="CPU-spinning processes beside")
+    parser.add_argument("--out", default="optimizer_guard")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        return print_peaks(*map(int, args.child.split("x")))
+    with under_load.busy(args.busy):
+        rows = _measured_rows(args)
     RESULTS.mkdir(exist_ok=True)
     with open(RESULTS / f"{args.out}.jsonl", "a") as out:
         out.writelines(json.dumps(row) + "\n" for row in rows)

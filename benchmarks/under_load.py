@@ -23,6 +23,7 @@ Writes benchmarks/results/under_load.json (or --out) and prints a table.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -93,10 +94,16 @@ def dense_stack_step(layer, rows=ROWS, activation=None, returns="loss"):
     return step, tf.constant(x)
 
 
-def _busy(count):
-    """`count` processes spinning on a CPU each."""
-    return [subprocess.Popen([sys.executable, "-c", "while True: pass"])
-            for _ in range(count)]
+@contextlib.contextmanager
+def busy(count):
+    """`count` processes spinning on a CPU each, while the block runs."""
+    spinning = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                for _ in range(count)]
+    try:
+        yield
+    finally:
+        for process in spinning:
+            process.kill()
 
 
 def main(argv=None):
@@ -113,9 +120,8 @@ def main(argv=None):
         return
     child_env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
                      TF_ENABLE_ONEDNN_OPTS=os.environ.get("TF_ENABLE_ONEDNN_OPTS", "0"))
-    spinning = _busy(args.busy)
     peaks = {method: [] for method in METHODS}
-    try:
+    with busy(args.busy):
         for run in range(args.runs):
             for method in METHODS:
                 done = subprocess.run(
@@ -124,9 +130,6 @@ def main(argv=None):
                     capture_output=True, text=True, check=True, env=child_env)
                 peaks[method].append(json.loads(done.stdout.strip().splitlines()[-1]))
                 print(f"run {run + 1}: {method}: {peaks[method][-1]}", flush=True)
-    finally:
-        for process in spinning:
-            process.kill()
     line = statistics.median(max(p) for p in peaks["stock"])
     print(f"\n{args.runs} processes per method, {args.busy} busy, threads={args.threads}; "
           f"each process's largest step peak, MiB (stock median {line:.1f})")
