@@ -376,7 +376,9 @@ def test_a_frozen_filter_is_priced_without_its_gradients_scratch():
         peak, (grads, workspace) = msg.function_peak_bytes(step, image, grad_y)
         measured[frozen] = peak - sum(g.numpy().nbytes for g in grads)
         priced[frozen] = int(workspace)
-    assert measured[False] > 3 * MIB and priced[False] > 3 * MIB, (measured, priced)
+    # At least one tap's 2 MiB product: 4.0 MiB alone, 2.0 in CI with the other
+    # xdist worker busy (the executor ran the taps one at a time); the price is the model's.
+    assert measured[False] > 1.5 * MIB and priced[False] > 3 * MIB, (measured, priced)
     assert measured[True] < 0.1 * MIB and priced[True] < 0.1 * MIB, (measured, priced)
 
 
