@@ -423,17 +423,22 @@ def _readers_in_body(graph, body_ops: list, variable) -> tuple:
 def _variable_gradient(handle, readers: list, grad_of: dict):
     """The sum of each reader's own gradient to `handle`, given its outputs' gradients.
 
-    Stock tf.gradients from a reader's outputs to the handle runs that one
-    op's gradient (a read passes it on, a gather makes IndexedSlices); the
-    parts add up as the rewrite's do (sparse if all are, whatever their
-    index dtypes).
+    A plain read passes its output's gradient on (its registered gradient
+    does nothing else); for other readers stock tf.gradients from their
+    outputs to the handle runs that one op's gradient (a gather makes
+    IndexedSlices). Not tf.gradients for a read: it walks every op
+    downstream of the variable, the whole graph above the layer, so tracing
+    n decorated layers took time quadratic in n. The parts add up as the
+    rewrite's do (sparse if all are, whatever their index dtypes).
     """
     parts = []
     for op in readers:
         # .get: a loop reader gains outputs (its recorded chunk states) while
         # the body's gradients are built; those carry no gradient.
         reached = [t for t in op.outputs if grad_of.get(id(t)) is not None]
-        if reached:
+        if reached and op.type == "ReadVariableOp":
+            parts.append(tf.identity(grad_of[id(op.outputs[0])]))  # as tf.gradients' grad_ys
+        elif reached:
             parts += compat.stock_gradients(reached, [handle],
                                             grad_ys=[grad_of[id(t)] for t in reached])
     return ledger.add_up([part for part in parts if part is not None])
