@@ -38,6 +38,7 @@ from memory_saving_gradients.tfgraph import copying
 from memory_saving_gradients.tfgraph import gradient_order
 from memory_saving_gradients.tfgraph import gradient_waits
 from memory_saving_gradients.tfgraph import leaf_order
+from memory_saving_gradients.tfgraph import ledger
 from memory_saving_gradients.tfgraph import product_order
 from memory_saving_gradients.tfgraph import conv_gradients
 from memory_saving_gradients.tfgraph import grouped_conv_calls
@@ -161,6 +162,31 @@ def _seeds_of(ys, grad_ys) -> list:
     given = list(grad_ys) if grad_ys is not None else [None] * len(ys)
     return [tf.ones_like(y) if g is None and y.dtype.is_floating else g
             for y, g in zip(ys, given)]
+
+
+def _seeds_stop_at_targets(targets, seeds, stops) -> bool:
+    """True if tf.gradients would pass no seed through an op: every target is a
+    float stop with its seed given (a decorated layer's call: its outputs are
+    its checkpoints)."""
+    stop_names = {t.name for t in stops}
+    return all(t.name in stop_names and t.dtype.is_floating and s is not None
+               for t, s in zip(targets, seeds))
+
+
+def _seeds_at(sources, targets, seeds) -> list:
+    """Each source's gradient when every target is a stop: the sum of the seeds
+    of the targets it is, or None.
+
+    What tf.gradients returns then, without its walk over every op downstream
+    of the sources: per decorated layer that walk covers all the layers above
+    it, and tracing n of them took time quadratic in n.
+    """
+    parts = {}
+    for target, seed in zip(targets, seeds):
+        # In this graph, as tf.gradients' grad_ys Identity: a seed may be
+        # made elsewhere (an eager tensor a tf.function captures).
+        parts.setdefault(target.name, []).append(tf.identity(seed))
+    return [ledger.add_up(parts.get(source.name, [])) for source in sources]
 
 
 def _differentiable(tensor: tf.Tensor) -> bool:
@@ -293,8 +319,11 @@ class _Backprop:
         # scope name without that prefix keeps all our calls on the caller's
         # scope (as for one tf.gradients call), so a TensorArray read in one
         # call and written in another gets the whole gradient.
-        grads = compat.stock_gradients(targets, sources, seeds, name="backprop",
-                                       stop_gradients=stops, **self._tf_kwargs)
+        if _seeds_stop_at_targets(targets, seeds, stops):
+            grads = _seeds_at(sources, targets, seeds)
+        else:
+            grads = compat.stock_gradients(targets, sources, seeds, name="backprop",
+                                           stop_gradients=stops, **self._tf_kwargs)
         new_ops = _backprop_ops(self._graph.get_operations()[first_new_op:])
         loop_rerun.one_iteration_at_a_time(new_ops)
         if self._reading.gated:  # not across tf.compat.v1 control flow contexts
