@@ -424,9 +424,10 @@ def _variable_gradient(handle, readers: list, grad_of: dict):
     """The sum of each reader's own gradient to `handle`, given its outputs' gradients.
 
     A plain read passes its output's gradient on (its registered gradient
-    does nothing else); for other readers stock tf.gradients from their
+    does nothing else); for other readers, and a read given another
+    gradient by a gradient_override_map, stock tf.gradients from their
     outputs to the handle runs that one op's gradient (a gather makes
-    IndexedSlices). Not tf.gradients for a read: it walks every op
+    IndexedSlices). Not tf.gradients for a plain read: it walks every op
     downstream of the variable, the whole graph above the layer, so tracing
     n decorated layers took time quadratic in n. The parts add up as the
     rewrite's do (sparse if all are, whatever their index dtypes).
@@ -436,7 +437,7 @@ def _variable_gradient(handle, readers: list, grad_of: dict):
         # .get: a loop reader gains outputs (its recorded chunk states) while
         # the body's gradients are built; those carry no gradient.
         reached = [t for t in op.outputs if grad_of.get(id(t)) is not None]
-        if reached and op.type == "ReadVariableOp":
+        if reached and op.type == "ReadVariableOp" and not compat.gradient_overridden(op):
             parts.append(tf.identity(grad_of[id(op.outputs[0])]))  # as tf.gradients' grad_ys
         elif reached:
             parts += compat.stock_gradients(reached, [handle],

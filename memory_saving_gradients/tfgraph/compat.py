@@ -43,6 +43,11 @@ def gradient_function(op: tf.Operation):
     return tf_ops.get_gradient_function(op)
 
 
+def gradient_overridden(op: tf.Operation) -> bool:
+    """True if a gradient_override_map gave `op` another gradient than its type's."""
+    return "_gradient_op_type" in op.node_def.attr
+
+
 def creation_id(op: tf.Operation) -> int:
     """A number that grows with op creation within a graph."""
     return op._id  # pylint: disable=protected-access
