@@ -167,10 +167,10 @@ def _seeds_of(ys, grad_ys) -> list:
 def _seeds_stop_at_targets(targets, seeds, stops) -> bool:
     """True if tf.gradients would pass no seed through an op: every target is a
     float stop with its seed given (a decorated layer's call: its outputs are
-    its checkpoints)."""
+    its checkpoints) and no function call's (differentiated at a stop)."""
     stop_names = {t.name for t in stops}
     return all(t.name in stop_names and t.dtype.is_floating and s is not None
-               for t, s in zip(targets, seeds))
+               and not _is_function_call(t.op) for t, s in zip(targets, seeds))
 
 
 def _seeds_at(sources, targets, seeds) -> list:
@@ -227,8 +227,13 @@ class _Backprop:
         # The forward tensors this call's gradients read are held until they run,
         # as a level's copies are: its leaf gradients are ordered too.
         held = [self._graph.get_tensor_by_name(n) for n in self._reading.region]
+        # An x that is not a stop passes its gradient on here, to the xs it
+        # depends on: that part must not go through its op again in phase 3
+        # (x and h = sin(x) both xs: x's gradient counted h's part twice).
+        stops = {t.name for t in self._kept + self._stops}
+        passed_on = {x.name for x in self._xs if x.name not in stops}
         self._released = self._differentiate(sources, ys, _seeds_of(ys, grad_ys), self._kept,
-                                             held=held)
+                                             held=held, passed_on=passed_on)
 
     def through_level(self, number: int, level: Level) -> None:
         """Phase 2, one level: recompute its segment and differentiate it."""
@@ -298,7 +303,7 @@ class _Backprop:
         return results
 
     def _differentiate(self, sources, targets, seeds, stops, names=None, copies=None,
-                       held=()) -> list:
+                       held=(), passed_on=frozenset()) -> list:
         """Stock tf.gradients of `targets` to `sources`; records the parts.
 
         `copies`: original name -> copy, of a level's copies differentiated
@@ -306,7 +311,9 @@ class _Backprop:
         `names` their originals). Gradient ops read the copies and stubs,
         never the originals (captured_reads.py), and leaf gradient readers of
         the copies run before backprop passes them (leaf_order.py); `held`:
-        forward tensors whose leaf gradient readers do the same (the first call's).
+        forward tensors whose leaf gradient readers do the same (the first call's);
+        `passed_on`: sources tf.gradients also sends their part on from (the
+        first call's xs that are not stops), recorded as sent.
         Returns the gradients it made (those that are not None)."""
         calls = {t.op for t in stops + self._stops if _is_function_call(t.op)}
         # A call at a stop is differentiated anyway, by SymbolicGradient, which
@@ -347,7 +354,8 @@ class _Backprop:
         # the same (their gradient ops record them as their forward op).
         through = calls & {compat.forward_op_of_gradient(op) for op in new_ops} if calls else set()
         for name, g in made:
-            sent = bool(through) and self._graph.get_tensor_by_name(name).op in through
+            sent = name in passed_on or (
+                bool(through) and self._graph.get_tensor_by_name(name).op in through)
             self._ledger.add(name, g, sent=sent)
         return [g for _, g in made]
 
