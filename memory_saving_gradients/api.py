@@ -20,6 +20,7 @@ from memory_saving_gradients.core import timeline
 from memory_saving_gradients.core import strategies
 from memory_saving_gradients.core.model import GraphModel
 from memory_saving_gradients.tfgraph import captures
+from memory_saving_gradients.tfgraph import compat
 from memory_saving_gradients.tfgraph import loop_chunks
 from memory_saving_gradients.tfgraph import op_kinds
 from memory_saving_gradients.tfgraph import reading
@@ -114,6 +115,9 @@ def gradients(ys, xs, grad_ys=None, checkpoints="collection", **kwargs):
     arguments.check_keywords(kwargs)
     ys, xs, grad_ys = arguments.normalise(ys, xs, grad_ys)
     stops, unconnected, name, tf_kwargs = arguments.tf_gradients_options(kwargs)
+    if _recorded_by_a_tape(ys, grad_ys):
+        return compat.stock_gradients(ys, xs, grad_ys, name=name, stop_gradients=stops,
+                                      unconnected_gradients=unconnected, **tf_kwargs)
     graph = ys[0].graph
     local, entries, sources = _sources(graph, xs)
     report = _plan(ys, sources, checkpoints)
@@ -127,6 +131,23 @@ def gradients(ys, xs, grad_ys=None, checkpoints="collection", **kwargs):
             by_x.update(zip(map(id, outer), captures.beyond(
                 entries, found[len(local):], outer, unconnected, stops)))
         return [by_x[id(x)] for x in xs]
+
+
+def _recorded_by_a_tape(ys, grad_ys) -> bool:
+    """True (and a warning) if a recording GradientTape watches what the
+    gradients would be made from: it would record our ops as they are made,
+    before the rewrite rewires some of them, and a higher order through them
+    would be wrong. tf.gradients is used instead, as the tape integration
+    does for a higher order."""
+    seeds = [t for g in grad_ys or () if g is not None
+             for t in tf.nest.flatten(g, expand_composites=True)]
+    if not compat.tape_would_record(list(ys) + seeds):
+        return False
+    logger.warning("memory_saving_gradients: a GradientTape is recording and watches these "
+                   "ys or grad_ys, so it would record their gradient (a higher order); "
+                   "tf.gradients is used, without recomputation. To save memory, take the "
+                   "gradients after the tape's `with` block or under tape.stop_recording()")
+    return True
 
 
 @tf.autograph.experimental.do_not_convert
