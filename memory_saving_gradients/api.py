@@ -112,15 +112,27 @@ def gradients(ys, xs, grad_ys=None, checkpoints="collection", **kwargs):
       RuntimeError: when called eagerly (wrap the step in `tf.function`).
       TypeError / ValueError: on malformed arguments, naming the problem.
     """
+    return gradients_in_region(ys, xs, grad_ys, checkpoints, None, **kwargs)
+
+
+@tf.autograph.experimental.do_not_convert
+def gradients_in_region(ys, xs, grad_ys, checkpoints, region_bound, **kwargs):
+    """`gradients`, for a caller that knows every op between `xs` and `ys` is
+    in `region_bound` (a set of ops, or None: the whole graph).
+
+    A decorated layer's body holds every op between its inputs and outputs:
+    searched from its inputs, the region would be sought over the whole graph
+    above the layer, once per layer (time quadratic in the depth).
+    """
     arguments.check_keywords(kwargs)
     ys, xs, grad_ys = arguments.normalise(ys, xs, grad_ys)
     stops, unconnected, name, tf_kwargs = arguments.tf_gradients_options(kwargs)
-    if _recorded_by_a_tape(ys, grad_ys):
+    if _recorded(ys, grad_ys):
         return compat.stock_gradients(ys, xs, grad_ys, name=name, stop_gradients=stops,
                                       unconnected_gradients=unconnected, **tf_kwargs)
     graph = ys[0].graph
     local, entries, sources = _sources(graph, xs)
-    report = _plan(ys, sources, checkpoints)
+    report = _plan(ys, sources, checkpoints, region_bound)
     logger.info("memory_saving_gradients: %s", str(report).replace("\n", "; "))
     with graph.name_scope(name):
         found = rewrite.backprop(report.reading, report.plan, ys, sources, grad_ys, stops,
@@ -133,20 +145,21 @@ def gradients(ys, xs, grad_ys=None, checkpoints="collection", **kwargs):
         return [by_x[id(x)] for x in xs]
 
 
-def _recorded_by_a_tape(ys, grad_ys) -> bool:
-    """True (and a warning) if a recording GradientTape watches what the
-    gradients would be made from: it would record our ops as they are made,
-    before the rewrite rewires some of them, and a higher order through them
-    would be wrong. tf.gradients is used instead, as the tape integration
-    does for a higher order."""
-    seeds = [t for g in grad_ys or () if g is not None
-             for t in tf.nest.flatten(g, expand_composites=True)]
-    if not compat.tape_would_record(list(ys) + seeds):
+def _recorded(ys, grad_ys) -> bool:
+    """True (and a warning) if a recording GradientTape or a ForwardAccumulator
+    watches what the gradients would be made from: it would record our ops as
+    they are made, before the rewrite rewires some of them, and a higher order
+    through them would be wrong. tf.gradients is used instead, as the tape
+    integration does for a higher order."""
+    watched = list(ys) + [t for g in grad_ys or () if g is not None
+                          for t in tf.nest.flatten(g, expand_composites=True)]
+    if not (compat.tape_would_record(watched) or compat.accumulator_would_record(watched)):
         return False
-    logger.warning("memory_saving_gradients: a GradientTape is recording and watches these "
-                   "ys or grad_ys, so it would record their gradient (a higher order); "
-                   "tf.gradients is used, without recomputation. To save memory, take the "
-                   "gradients after the tape's `with` block or under tape.stop_recording()")
+    logger.warning("memory_saving_gradients: a GradientTape or ForwardAccumulator is recording "
+                   "and watches these ys or grad_ys, so it would record their gradient (a "
+                   "higher order); tf.gradients is used, without recomputation. To save "
+                   "memory, take the gradients outside the tape's or accumulator's `with` "
+                   "block, or under tape.stop_recording()")
     return True
 
 
@@ -214,8 +227,8 @@ def weight_gradients_taken():
         _taken.depth -= 1
 
 
-def _plan(ys, xs, checkpoints):
-    read = reading.build_model(ys, xs)
+def _plan(ys, xs, checkpoints, region_bound=None):
+    read = reading.build_model(ys, xs, region_bound)
     model = read.model
     if getattr(_taken, "depth", 0):
         model = dataclasses.replace(model, weight_gradients_taken=True)

@@ -333,9 +333,10 @@ def _recomputed_gradients(graph, outputs, body_ops: list, inputs: tuple, variabl
                   "recomputation there")
         grads = compat.stock_gradients(ys, xs, grad_ys=grad_ys)
     elif pairs:
+        # Every op between the body's stand-in inputs (and reads) and its
+        # outputs was made by the call: the region is not sought above it.
         body = set(body_ops)
-        grads = api.gradients(ys, xs, grad_ys=grad_ys,
-                              checkpoints=[y for y in ys if y.op in body])
+        grads = api.gradients_in_region(ys, xs, grad_ys, [y for y in ys if y.op in body], body)
     grad_of = dict(zip(map(id, read_values), grads[len(inputs):]))
     return grads[:len(inputs)] + [_variable_gradient(handle, ops, grad_of)
                                   for handle, ops in readers]

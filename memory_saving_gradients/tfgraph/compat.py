@@ -10,6 +10,7 @@ import contextlib
 
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
+from tensorflow.python.eager import forwardprop_util
 from tensorflow.python.eager import record
 from tensorflow.python.framework import auto_control_deps
 from tensorflow.python.framework import func_graph as func_graph_module
@@ -120,6 +121,11 @@ def folds_constants(graph) -> bool:
 def tape_would_record(tensors) -> bool:
     """True if a recording (not paused) GradientTape watches one of `tensors`."""
     return record.should_record_backprop(tensors)
+
+
+def accumulator_would_record(tensors) -> bool:
+    """True if an active ForwardAccumulator carries a tangent of one of `tensors`."""
+    return bool(forwardprop_util.pack_tangents(tensors).tangents)
 
 
 def forward_op_of_gradient(op: tf.Operation):

@@ -9,7 +9,7 @@ lie in the region, what each op's gradient reaches) stays here, in `Reading`.
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping, Sequence
+from typing import Mapping, Optional, Sequence
 
 import networkx as nx
 import tensorflow as tf
@@ -97,12 +97,14 @@ class DataTensors:
                     stack.extend(t.consumers())
 
 
-def region_ops(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor]) -> list:
-    """Ops that depend on some x and that some y depends on, in topological order.
+def region_ops(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor],
+               bound: Optional[set] = None) -> list:
+    """Ops that depend on some x and that some y depends on, in topological order;
+    only ops in `bound` when given (the caller knows the region lies in it).
 
-    Linear in the size of the graph.
+    Linear in the size of the graph (of `bound`, when given).
     """
-    reached = graph_walks.ops_reading(xs)
+    reached = graph_walks.ops_reading(xs, within=bound)
     between = set()
     stack = [y.op for y in ys]
     while stack:
@@ -181,9 +183,11 @@ def _activations(units, inputs, in_region, data):
 
 
 @collector.paused
-def build_model(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor]) -> Reading:
-    """Read the region between `xs` and `ys` (lists of tensors) into a Reading."""
-    ops = region_ops(ys, xs)
+def build_model(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor],
+                bound: Optional[set] = None) -> Reading:
+    """Read the region between `xs` and `ys` (lists of tensors) into a Reading;
+    `bound`: a set of ops the region lies in, if the caller knows one."""
+    ops = region_ops(ys, xs, bound)
     inputs = unit_inputs(ops)
     units = [op for op in ops if op in inputs]
     data = graph_cache.per_graph(ys[0].graph, DataTensors).names
