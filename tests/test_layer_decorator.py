@@ -45,19 +45,19 @@ class RecomputedOuter(Outer):
 
 @pytest.fixture
 def count_segments(monkeypatch):
-    """Counts the segment gradients our decorator builds: api.gradients calls
-    with a list of checkpoints (a whole-model call gets a mode) that return.
+    """Counts the segment gradients our decorator builds: api.gradients_in_region
+    calls bounded to a body (a whole-model call has no bound) that return.
     (The planner's probe of what a gradient reads calls a segment's gradient
     on a scratch graph too; that call raises, and is not a segment built.)"""
     calls = []
-    original = api.gradients
+    original = api.gradients_in_region
 
-    def counting(*args, **kwargs):
-        result = original(*args, **kwargs)
-        if isinstance(kwargs.get("checkpoints"), list):
-            calls.append(args[0])
+    def counting(ys, xs, grad_ys, checkpoints, region_bound, **kwargs):
+        result = original(ys, xs, grad_ys, checkpoints, region_bound, **kwargs)
+        if region_bound is not None:
+            calls.append(ys)
         return result
-    monkeypatch.setattr(layer_decorator.api, "gradients", counting)
+    monkeypatch.setattr(layer_decorator.api, "gradients_in_region", counting)
     return calls
 
 
@@ -873,3 +873,62 @@ def test_a_read_under_a_gradient_override_map_keeps_it_for_tf_gradients():
     stock = kernel_gradient(OverriddenRead)
     np.testing.assert_allclose(kernel_gradient(RecomputedOverriddenRead), stock, rtol=1e-6)
     assert np.abs(stock).max() > 1.0  # the override applied: tenfold
+
+
+class ReadsAContext(keras.layers.Layer):
+    """Reads a tensor another layer set on it: a closure, not an input."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense, self.context = keras.layers.Dense(4), {}
+
+    def call(self, x):
+        return tf.tanh(self.dense(x)) * self.context["scale"]
+
+
+class RecomputedReadsAContext(ReadsAContext):
+    @recompute_grad
+    def call(self, x):
+        return super().call(x)
+
+
+class SetsTheContext(keras.Model):
+    def __init__(self, reader, **kwargs):
+        super().__init__(**kwargs)
+        self.before, self.reader = keras.layers.Dense(4), reader()
+
+    def call(self, x):
+        self.reader.context["scale"] = tf.sin(self.before(x))
+        return self.reader(x)
+
+
+@pytest.mark.parametrize("differentiate", ["tape", "tf.gradients"])
+def test_a_float_tensor_closed_over_from_outside_keeps_its_gradient(differentiate, caplog,
+                                                                    monkeypatch):
+    # tf.custom_gradient sends gradients to its inputs only: the layer that
+    # made the closed-over tensor got None (a review found it), so the call
+    # is not a segment then, and says so.
+    monkeypatch.setattr(layer_decorator, "_logged", set())
+    x = tf.constant(np.random.default_rng(0).normal(size=(8, 6)), tf.float32)
+
+    def gradients(reader):
+        keras.utils.set_random_seed(0)
+        model = SetsTheContext(reader)
+        model(x)
+
+        @tf.function
+        def step():
+            if differentiate == "tf.gradients":
+                return tf.gradients(tf.reduce_sum(model(x) ** 2), [x] + model.trainable_weights)
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                loss = tf.reduce_sum(model(x) ** 2)
+            return tape.gradient(loss, [x] + model.trainable_weights)
+        with msg.checkpointing():
+            return [g.numpy() for g in step()]
+    want = gradients(ReadsAContext)
+    with caplog.at_level(logging.WARNING, logger="memory_saving_gradients"):
+        got = gradients(RecomputedReadsAContext)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert "a float tensor made outside it that carries a gradient" in caplog.text

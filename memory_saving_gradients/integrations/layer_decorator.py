@@ -233,6 +233,7 @@ def _call_as_segment(call: Callable, layer: keras.layers.Layer, args: tuple,
             _building.depth -= 1
         body_ops = graph.get_operations()[first_op:]  # in creation order
         body.append((outputs, sorted(_building.inner)))
+        closed_over.extend(_closed_over_with_gradient(body_ops, inputs))
         body_linear.append(gradient_linearity.overrides_linear(
             body_ops, lambda op: gradient_reads.gradient_reads(op).linear))
         # tf.custom_gradient passes a RaggedTensor or SparseTensor through
@@ -254,9 +255,18 @@ def _call_as_segment(call: Callable, layer: keras.layers.Layer, args: tuple,
 
         return outputs, gradient
 
-    body, body_linear = [], []
+    body, body_linear, closed_over = [], [], []
     boundary = []
     results = segment(*[leaves[i] for i in slots])
+    if closed_over:
+        # tf.custom_gradient sends gradients to its inputs only: the gradient
+        # through such a tensor (to the layers and weights that made it) was lost.
+        _log_once(f"{type(layer).__name__}: its call reads {closed_over[0].name}, a float "
+                  f"tensor made outside it that carries a gradient (an attribute set by "
+                  f"another layer?), so it is not a recomputed segment (that gradient "
+                  f"would be lost); TensorFlow differentiates it as it is. Pass the tensor "
+                  f"as an argument of call to recompute the layer")
+        return body[0][0]
     if not all(body_linear):
         # A second order through the boundary would reach the override in two
         # parts (through our gradient's copies and through the boundary's own
@@ -290,6 +300,28 @@ def _call_as_segment(call: Callable, layer: keras.layers.Layer, args: tuple,
         else:
             parts.append(made)
     return tf.nest.pack_sequence_as(body[0][0], parts, expand_composites=True)
+
+
+# Ops whose float outputs carry no gradient from elsewhere: constants, and the
+# placeholders that hold a function's captured values.
+_GRADIENT_FREE_SOURCES = frozenset({"Const", "Placeholder"})
+
+
+def _closed_over_with_gradient(body_ops: list, stand_ins: list) -> list:
+    """Float tensors made outside the body that its ops read and that carry a
+    gradient: a recording tape watches them, or, with none recording (a
+    tf.gradients step), an op other than a constant made them."""
+    inside, own = set(body_ops), {id(t) for t in stand_ins}
+    recording = compat.any_tape_recording()
+    found = {}
+    for op in body_ops:
+        for t in op.inputs:
+            if t.op in inside or id(t) in own or not t.dtype.is_floating:
+                continue
+            if (compat.tape_would_record([t]) if recording
+                    else t.op.type not in _GRADIENT_FREE_SOURCES):
+                found[id(t)] = t
+    return list(found.values())
 
 
 def _recomputed_gradients(graph, outputs, body_ops: list, inputs: tuple, variables: list,
