@@ -902,12 +902,14 @@ class SetsTheContext(keras.Model):
         return self.reader(x)
 
 
-@pytest.mark.parametrize("differentiate", ["tape", "tf.gradients"])
+@pytest.mark.parametrize("differentiate", ["tape", "tf.gradients",
+                                           "tf.gradients under an accumulator"])
 def test_a_float_tensor_closed_over_from_outside_keeps_its_gradient(differentiate, caplog,
                                                                     monkeypatch):
     # tf.custom_gradient sends gradients to its inputs only: the layer that
     # made the closed-over tensor got None (a review found it), so the call
-    # is not a segment then, and says so.
+    # is not a segment then, and says so. A ForwardAccumulator records too,
+    # but says nothing of what tf.gradients will differentiate.
     monkeypatch.setattr(layer_decorator, "_logged", set())
     x = tf.constant(np.random.default_rng(0).normal(size=(8, 6)), tf.float32)
 
@@ -920,6 +922,10 @@ def test_a_float_tensor_closed_over_from_outside_keeps_its_gradient(differentiat
         def step():
             if differentiate == "tf.gradients":
                 return tf.gradients(tf.reduce_sum(model(x) ** 2), [x] + model.trainable_weights)
+            if differentiate == "tf.gradients under an accumulator":
+                with tf.autodiff.ForwardAccumulator(x, tf.ones_like(x)):
+                    loss = tf.reduce_sum(model(x) ** 2)
+                return tf.gradients(loss, [x] + model.trainable_weights)
             with tf.GradientTape() as tape:
                 tape.watch(x)
                 loss = tf.reduce_sum(model(x) ** 2)

@@ -309,19 +309,17 @@ _GRADIENT_FREE_SOURCES = frozenset({"Const", "Placeholder"})
 
 def _closed_over_with_gradient(body_ops: list, stand_ins: list) -> list:
     """Float tensors made outside the body that its ops read and that carry a
-    gradient: a recording tape watches them, or, with none recording (a
-    tf.gradients step), an op other than a constant made them."""
+    gradient. When a recording GradientTape reaches the call (it watches a
+    stand-in or records a body op), those it watches; else (a tf.gradients
+    step, or only a ForwardAccumulator recording, which differentiates
+    nothing backward) those an op other than a constant made."""
     inside, own = set(body_ops), {id(t) for t in stand_ins}
-    recording = compat.any_tape_recording()
-    found = {}
-    for op in body_ops:
-        for t in op.inputs:
-            if t.op in inside or id(t) in own or not t.dtype.is_floating:
-                continue
-            if (compat.tape_would_record([t]) if recording
-                    else t.op.type not in _GRADIENT_FREE_SOURCES):
-                found[id(t)] = t
-    return list(found.values())
+    outside = {id(t): t for op in body_ops for t in op.inputs
+               if t.op not in inside and id(t) not in own and t.dtype.is_floating}
+    made = [t for op in body_ops for t in op.outputs]
+    if compat.tape_would_record(list(stand_ins) + made):
+        return [t for t in outside.values() if compat.tape_would_record([t])]
+    return [t for t in outside.values() if t.op.type not in _GRADIENT_FREE_SOURCES]
 
 
 def _recomputed_gradients(graph, outputs, body_ops: list, inputs: tuple, variables: list,
