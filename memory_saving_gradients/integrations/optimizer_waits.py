@@ -233,9 +233,10 @@ def _waiting(stock: Callable, takes_pairs: bool) -> Callable:
             _note_taken_one_by_one(args[0], gradients,
                                    bound.arguments.get("trainable_variables"))
         made = graph.get_operations()[start:]
-        update_waits.pass_gradients_straight(gradients, made)
-        waiting = update_waits.wait_for_gradients(gradients, made)
-        held = update_waits.hold_next_levels_for_updates(gradients, made)
+        uses = {}  # found once for the three: rewiring gradients changes no resource's use
+        update_waits.pass_gradients_straight(gradients, made, uses)
+        waiting = update_waits.wait_for_gradients(gradients, made, uses)
+        held = update_waits.hold_next_levels_for_updates(gradients, made, uses)
         logger.debug("memory_saving_gradients: %d ops of %s's update wait for their gradient; "
                      "the next level waits for %d variables' updates", waiting,
                      type(args[0]).__name__, held)

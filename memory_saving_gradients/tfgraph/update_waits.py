@@ -20,6 +20,8 @@ every use since the write before it.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import networkx as nx
 import tensorflow as tf
 
@@ -32,7 +34,7 @@ _PASS_THROUGH_OP_TYPES = frozenset({"Identity", "IdentityN"})
 _CREATES_VARIABLES = frozenset({"VarHandleOp", "VarIsInitializedOp"})
 
 
-def wait_for_gradients(gradients: list, ops: list) -> int:
+def wait_for_gradients(gradients: list, ops: list, uses: Optional[dict] = None) -> int:
     """Makes the ops of `ops` that would be kept waiting for one of
     `gradients` wait for it before they run. Returns how many now wait.
 
@@ -53,11 +55,14 @@ def wait_for_gradients(gradients: list, ops: list) -> int:
         the optimizer's variables either: tf.function lifts their initial
         values out of the graph, which a wait would tie to it (under XLA an
         error); the trace after it, which runs every later step, waits.
+      uses: `compat.ordered_uses` of ops, filled in as they are found: one
+        dict shared by this module's calls on one update's ops finds them once
+        (about 40 us an op, a good part of a deep model's trace).
     """
     if not _may_reorder(ops):
         return 0
     inside = set(ops)
-    before, after = _variable_order(ops)
+    before, after = _variable_order(ops, uses)
     needs = _needs(gradients, ops, inside, before)
     serves = _serves(ops, inside, needs, after)
     waiting = set()
@@ -75,7 +80,8 @@ def wait_for_gradients(gradients: list, ops: list) -> int:
     return len(waiting)
 
 
-def hold_next_levels_for_updates(gradients: list, ops: list) -> int:
+def hold_next_levels_for_updates(gradients: list, ops: list,
+                                 uses: Optional[dict] = None) -> int:
     """Makes each gate that waits for one of `gradients` (gradient_waits.gate:
     the next level's recomputation, or a recomputed layer's input gradient,
     waits for it) wait too for the ops of `ops` that write a variable with
@@ -92,11 +98,11 @@ def hold_next_levels_for_updates(gradients: list, ops: list) -> int:
     stateful ops that take no variable: a CheckNumerics, a print); where
     a wait would close a cycle (a variable shared with a lower layer, whose
     gradient comes after that gate), that gradient's update is left as it is.
-    Same conditions as `wait_for_gradients`.
+    Same conditions and `uses` as `wait_for_gradients`.
     """
     if not _may_reorder(ops):
         return 0
-    needs = _needs(gradients, ops, set(ops), _variable_order(ops)[0])
+    needs = _needs(gradients, ops, set(ops), _variable_order(ops, uses)[0])
     writes = {}  # gradient index -> the ops writing a variable with it alone
     for op in ops:
         if len(needs[op]) == 1 and _writes_a_variable(op):
@@ -108,7 +114,7 @@ def hold_next_levels_for_updates(gradients: list, ops: list) -> int:
     if not gates:
         return 0
     reached = _writes_reached(ops[0].graph, [g for found in gates.values() for g, _ in found],
-                              writes)
+                              writes, uses)
     # Index a leads to b where a gate of a's gradient runs before one of b's
     # writes: waits for both would close a cycle through a and b.
     leads_to = nx.DiGraph()
@@ -134,13 +140,13 @@ def hold_next_levels_for_updates(gradients: list, ops: list) -> int:
     return leads_to.number_of_nodes()
 
 
-def _writes_reached(graph: tf.Graph, starts: list, writes: dict) -> dict:
+def _writes_reached(graph: tf.Graph, starts: list, writes: dict, uses: Optional[dict]) -> dict:
     """For each op of `starts` and each op after one, a bit mask of the
     indices b such that it will run before an op of `writes[b]` once the
     function's automatic control dependencies are added (by data and control
     edges, and by the order of the ops using one resource). One walk over the
     ops after any of `starts`, each op's mask made of its successors'."""
-    after = _variable_order(graph.get_operations())[1]
+    after = _variable_order(graph.get_operations(), uses)[1]
     own = {}
     for index, ops in writes.items():
         for op in ops:
@@ -177,7 +183,7 @@ def _writes_reached(graph: tf.Graph, starts: list, writes: dict) -> dict:
     return reached
 
 
-def pass_gradients_straight(gradients: list, ops: list) -> int:
+def pass_gradients_straight(gradients: list, ops: list, uses: Optional[dict] = None) -> int:
     """Makes the ops of `ops` that read gradients through an `IdentityN` over
     several of them read them past it. Returns how many `IdentityN` are
     passed by.
@@ -189,15 +195,15 @@ def pass_gradients_straight(gradients: list, ops: list) -> int:
     a function that returns a value, as `fit`'s step does; a training step
     returning nothing keeps it. An `IdentityN` is passed by where each of its
     inputs is a gradient or is made from one by `ops`. Values do not change:
-    an `IdentityN` hands each input on as it is. Same conditions as
-    `wait_for_gradients`.
+    an `IdentityN` hands each input on as it is. Same conditions and `uses`
+    as `wait_for_gradients`.
     """
     if not _may_reorder(ops):
         return 0
     gradient_refs = {t.ref() for g in gradients if g is not None
                      for t in gradient_waits.gradient_tensors(g)}
     inside = set(ops)
-    needs = _needs(gradients, ops, inside, _variable_order(ops)[0])
+    needs = _needs(gradients, ops, inside, _variable_order(ops, uses)[0])
 
     def from_a_gradient(tensor):
         return tensor.ref() in gradient_refs or (tensor.op in inside and needs[tensor.op])
@@ -254,17 +260,22 @@ def _serves(ops, inside, needs, after) -> dict:
     return serves
 
 
-def _variable_order(ops: list) -> tuple:
+def _variable_order(ops: list, uses: Optional[dict]) -> tuple:
     """For each op, the earlier and the later of `ops` that automatic control
     dependencies will order it after and before, by the resources it uses
-    (and, as writes of one more resource, the stateful ops that take none)."""
-    uses = {}  # resource tensor ref (None: no resource) -> (op, writes it), in order
+    (and, as writes of one more resource, the stateful ops that take none).
+    `uses`, where given, caches `compat.ordered_uses` by op."""
+    uses = {} if uses is None else uses
+    chains = {}  # resource tensor ref (None: no resource) -> (op, writes it), in order
     for op in ops:
-        for resource, writes in compat.ordered_uses(op):
-            uses.setdefault(None if resource is None else resource.ref(), []).append((op, writes))
+        if op not in uses:
+            uses[op] = compat.ordered_uses(op)
+        for resource, writes in uses[op]:
+            chains.setdefault(None if resource is None else resource.ref(),
+                              []).append((op, writes))
     before = {op: [] for op in ops}
     after = {op: [] for op in ops}
-    for chain in uses.values():
+    for chain in chains.values():
         last_write, reads = None, []
         for op, writes in chain:
             waits_for = ([last_write] if last_write else []) + (reads if writes else [])
