@@ -38,7 +38,7 @@ from memory_saving_gradients import api
 from memory_saving_gradients.integrations import optimizer_waits
 from memory_saving_gradients.integrations import patching
 from memory_saving_gradients.tfgraph import captures, compat, gradient_linearity, gradient_reads
-from memory_saving_gradients.tfgraph import gradient_waits, graph_walks
+from memory_saving_gradients.tfgraph import gradient_sources, gradient_waits, graph_walks
 from memory_saving_gradients.tfgraph import ledger
 
 logger = logging.getLogger("memory_saving_gradients")
@@ -261,7 +261,7 @@ def _call_as_segment(call: Callable, layer: keras.layers.Layer, args: tuple,
     if closed_over:
         # tf.custom_gradient sends gradients to its inputs only: the gradient
         # through such a tensor (to the layers and weights that made it) was lost.
-        _log_once(f"{type(layer).__name__}: its call reads {closed_over[0].name}, a float "
+        _log_once(f"{type(layer).__name__}: its call reads {closed_over[0].name}, a "
                   f"tensor made outside it that carries a gradient (an attribute set by "
                   f"another layer?), so it is not a recomputed segment (that gradient "
                   f"would be lost); TensorFlow differentiates it as it is. Pass the tensor "
@@ -302,24 +302,20 @@ def _call_as_segment(call: Callable, layer: keras.layers.Layer, args: tuple,
     return tf.nest.pack_sequence_as(body[0][0], parts, expand_composites=True)
 
 
-# Ops whose float outputs carry no gradient from elsewhere: constants, and the
-# placeholders that hold a function's captured values.
-_GRADIENT_FREE_SOURCES = frozenset({"Const", "Placeholder"})
-
-
 def _closed_over_with_gradient(body_ops: list, stand_ins: list) -> list:
-    """Float tensors made outside the body that its ops read and that carry a
-    gradient. When a recording GradientTape reaches the call (it watches a
-    stand-in or records a body op), those it watches; else (a tf.gradients
-    step, or only a ForwardAccumulator recording, which differentiates
-    nothing backward) those an op other than a constant made."""
+    """Tensors made outside the body that its ops read and that carry a
+    gradient (`gradient_sources.carrying_gradient`), whatever differentiates
+    the step: a tape that reaches the call may be followed by tf.gradients.
+    A tensor of an enclosing graph (the layer called in a nested tf.function)
+    or an eager one enters through a capture (a placeholder, or a constant)
+    the body's first use of it made."""
     inside, own = set(body_ops), {id(t) for t in stand_ins}
     outside = {id(t): t for op in body_ops for t in op.inputs
-               if t.op not in inside and id(t) not in own and t.dtype.is_floating}
-    made = [t for op in body_ops for t in op.outputs]
-    if compat.tape_would_record(list(stand_ins) + made):
-        return [t for t in outside.values() if compat.tape_would_record([t])]
-    return [t for t in outside.values() if t.op.type not in _GRADIENT_FREE_SOURCES]
+               if t.op not in inside and id(t) not in own}
+    captured = [t for op in body_ops if op.type in ("Const", "Placeholder") for t in op.outputs]
+    return gradient_sources.carrying_gradient(
+        [t for t in list(outside.values()) + captured
+         if gradient_sources.is_differentiable(t.dtype)])
 
 
 def _recomputed_gradients(graph, outputs, body_ops: list, inputs: tuple, variables: list,
@@ -347,12 +343,14 @@ def _recomputed_gradients(graph, outputs, body_ops: list, inputs: tuple, variabl
         # function of the tf.function the layer ran in (nested in the step, or
         # differentiated by an eager tape), or a cond or loop body taking the
         # gradient. Our copies would have to be made there, reading the body's
-        # graph through captures.
-        _log_once("@recompute_grad layers whose gradient is built in another graph "
-                  "than the layer's (a layer called inside a nested tf.function, or "
-                  "in a tf.function an eager GradientTape differentiates) are "
-                  "differentiated by TensorFlow there, without recomputation; call "
-                  "them in the tf.function that takes the gradient")
+        # graph through captures. (The planner's probe builds it so too, to
+        # see what it reads: nothing to say then.)
+        if not gradient_reads.is_probe_graph(tf.compat.v1.get_default_graph()):
+            _log_once("@recompute_grad layers whose gradient is built in another graph "
+                      "than the layer's (a layer called inside a nested tf.function, or "
+                      "in a tf.function an eager GradientTape differentiates) are "
+                      "differentiated by TensorFlow there, without recomputation; call "
+                      "them in the tf.function that takes the gradient")
         grads = compat.stock_gradients(ys, xs, grad_ys=grad_ys)
     elif pairs and compat.any_tape_recording():
         # A tape records this gradient (nested tapes: a higher order). Our

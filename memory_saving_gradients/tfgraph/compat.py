@@ -178,9 +178,11 @@ class _SizedCaptures(func_graph_module.FuncGraph):
         return super().capture(tensor, name, shape)
 
 
-def captured_pairs(graph) -> list:
-    """(outer tensor, placeholder standing for it) of a `capturing_graph`."""
-    return list(graph.captures)
+def captured_pairs(graph: tf.Graph) -> list:
+    """(captured tensor, the placeholder or constant standing for it) of a
+    function's graph (a `capturing_graph`'s among them; a small eager tensor
+    is captured as a constant); [] for any other graph."""
+    return list(getattr(graph, "captures", ())) if builds_function(graph) else []
 
 
 def replace_input(op: tf.Operation, index: int, tensor: tf.Tensor) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import weakref
 
 import tensorflow as tf
 
@@ -170,6 +171,16 @@ def _probed(op, wanted, folds):
         return dataclasses.replace(everything, linear=not _overridden(op))
 
 
+# The scratch graphs gradients are built in to be looked at, never run.
+_probe_graphs = weakref.WeakSet()
+
+
+def is_probe_graph(graph: tf.Graph) -> bool:
+    """True for a graph this module builds a gradient in only to see what it
+    reads (a custom gradient called there need not say how it would run)."""
+    return graph in _probe_graphs
+
+
 def _overridden(op):
     """Whether `op`'s gradient is an override, not its type's registered one."""
     return loops.CUSTOM_GRADIENT_ATTR in op.node_def.attr
@@ -190,6 +201,7 @@ def _probe(op, grad_fn, wanted, folds, sized):
     scratch = (compat.capturing_graph(op.graph, "gradient_probe",
                                       sized_shapes.sized_dims if sized else None)
                if custom else tf.Graph())
+    _probe_graphs.add(scratch)
     with scratch.as_default():
         inputs = [_stand_in(t, f"input{i}", sized, value)
                   for i, (t, value) in enumerate(zip(op.inputs, _axis_values(op)))]
