@@ -12,7 +12,9 @@ APPLICATIONS = ("MobileNetV2", "EfficientNetB0", "DenseNet121", "ResNet50", "Con
 # keras.applications models no plan was tuned on (first measured in session 42,
 # docs/planner.md), at the smallest side each takes (Xception 71, InceptionV3 75).
 HELD_OUT = {"MobileNetV3Small": 64, "VGG16": 64, "ResNet50V2": 64, "EfficientNetV2B0": 64,
-            "Xception": 80, "InceptionV3": 80}
+            "Xception": 80, "InceptionV3": 80,
+            # first measured in session 60 (benchmarks/results/s60_held_out_600b003.md)
+            "NASNetMobile": 64, "MobileNetV3Large": 64, "DenseNet169": 64}
 
 
 def application(name, pixels, classes=10):
