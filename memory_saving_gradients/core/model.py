@@ -158,6 +158,11 @@ class GraphModel:
       shared_buffers: activation -> the activation input whose buffer it
         is, for ops that pass inputs through by index (IdentityN); ops of
         `timeline.ALIASING_OP_TYPES` share their first input's.
+      merged: activation -> an activation an earlier, identical op makes
+        (same type, inputs, attributes, device and control inputs, no side
+        effects): TensorFlow runs the two as one op, so their buffer is one
+        where both are made in the same pass (the forward pass, or one
+        level's copies).
       small_grads: op name -> bytes of the gradient the rewrite sends its
         input where that is not the input's size: a mean or sum with static
         shapes, whose gradient's broadcast the rewrite moves into the ops
@@ -227,6 +232,7 @@ class GraphModel:
     trailing_workspace: Mapping[str, int] = dataclasses.field(default_factory=dict)
     ungraded: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     shared_buffers: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    merged: Mapping[str, str] = dataclasses.field(default_factory=dict)
     early_workspace: Mapping[str, int] = dataclasses.field(default_factory=dict)
     small_grads: Mapping[str, int] = dataclasses.field(default_factory=dict)
     passed_grads: Mapping[str, tuple[tuple[str, str], ...]] = dataclasses.field(

@@ -321,7 +321,7 @@ class _Replay(LoopEvents):
             scratch = self.model.recompute_workspace.get(op, scratch)
         self._scratch(scratch)
         for o in row.outputs:
-            aliased = self._shared_input(row, o, source)
+            aliased = self._shared_input(row, o, source, where)
             self._alloc(where + (o,), 0 if aliased else self.tensors[o].bytes)
             if aliased:
                 self.alias[where + (o,)] = aliased
@@ -337,11 +337,15 @@ class _Replay(LoopEvents):
         if op in self.model.loops and where != ("fwd",):  # originals: `_forward_pass`
             self._loop_forward(op, self.model.loops[op], where)
 
-    def _shared_input(self, row, output, source):
-        """Key of the input buffer `output` is (None: a buffer of its own)."""
+    def _shared_input(self, row, output, source, where):
+        """Key of the buffer `output` is, an input's or an identical op's
+        made before in the same pass (None: a buffer of its own)."""
         shared = self.model.shared_buffers.get(output)
         if shared is not None:
             return source(shared)
+        twin = self.model.merged.get(output)
+        if twin is not None and source(twin)[:-1] == where and source(twin) in self.born:
+            return source(twin)
         return source(row.inputs[0]) if row.inputs and row.op_type in ALIASING_OP_TYPES else None
 
     def _level(self, number, level, kept_roots):

@@ -25,6 +25,7 @@ from memory_saving_gradients.tfgraph import gradient_order
 from memory_saving_gradients.tfgraph import gradient_reads
 from memory_saving_gradients.tfgraph import graph_cache
 from memory_saving_gradients.tfgraph import graph_walks
+from memory_saving_gradients.tfgraph import duplicate_ops
 from memory_saving_gradients.tfgraph import identity_folding
 from memory_saving_gradients.tfgraph import loop_memory
 from memory_saving_gradients.tfgraph import loops
@@ -208,7 +209,8 @@ def build_model(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor],
                 "early_workspace": {}, "small_grads": {}, "passed_grads": {},
                 "forwarding": {}, "forwarded_grads": {}, "workspace_forwards": {},
                 "stock_forwarded_grads": {}, "stock_workspace_forwards": {},
-                "outside_reads": {}, "outside_bytes": {}}
+                "outside_reads": {}, "outside_bytes": {},
+                "merged": duplicate_ops.merged_outputs(ops, activations)}
     for op in units:
         name = op.name
         op_inputs[name] = tuple(i.name for i in inputs[op])
