@@ -327,6 +327,11 @@ def _dense_model():
                              keras.layers.Dense(8)])
 
 
+def _stacked_lstm_model():
+    return keras.Sequential([keras.Input((5, 8)), keras.layers.LSTM(8, return_sequences=True),
+                             keras.layers.LSTM(8, return_sequences=True)])
+
+
 def _accumulating_step(model, optimizer):
     """Gradients summed into variables, which are what the optimizer applies."""
     sums = [tf.Variable(tf.zeros(v.shape)) for v in model.trainable_variables]
@@ -369,11 +374,15 @@ def _sparse_step(model, optimizer):
      np.array([[1, 7, 7], [3, 49, 0]], np.int32)),
     (_dense_model, lambda: keras.optimizers.AdamW(0.01), _keyword_step,
      np.linspace(-1, 1, 32, dtype=np.float32).reshape(4, 8)),
+    (_stacked_lstm_model, lambda: keras.optimizers.SGD(0.1), own_loop_step,
+     np.linspace(-1, 1, 160, dtype=np.float32).reshape(4, 5, 8)),
 ], ids=["global-clipnorm", "loss-scale", "gradients-in-variables", "embedding-slices",
-        "apply-by-keywords"])
+        "apply-by-keywords", "stacked-lstm"])
 def test_own_training_loop_trains_as_stock(model, optimizer, step, x):
     """Updates that read every gradient, run in a cond, apply gradients kept
-    in variables, take IndexedSlices or keywords: the same weights as stock."""
+    in variables, take IndexedSlices or keywords, or are held for by two gates
+    of one gradient (two LSTMs' levels, where the hold once closed a cycle):
+    the same weights as stock."""
     def train(checkpoints, steps=3):
         keras.utils.set_random_seed(5)
         built = model()

@@ -113,10 +113,17 @@ def hold_next_levels_for_updates(gradients: list, ops: list,
     gates = {index: found for index, found in gates.items() if found}
     if not gates:
         return 0
+    # An update's readers of its gradient will wait for each gate's read of
+    # it (below): once they do, an op before such a read runs before the
+    # update's writes too (a gate upstream of another gate of the same
+    # gradient, two levels of a stacked LSTM's backprop, closed a cycle).
+    before_writes = {index: writes[index] + [read for _, read in gates[index]
+                                             if read is not None] for index in gates}
     reached = _writes_reached(ops[0].graph, [g for found in gates.values() for g, _ in found],
-                              writes, uses)
+                              before_writes, uses)
     # Index a leads to b where a gate of a's gradient runs before one of b's
-    # writes: waits for both would close a cycle through a and b.
+    # writes (or of the reads they will wait for): waits for both would close
+    # a cycle through a and b.
     leads_to = nx.DiGraph()
     leads_to.add_nodes_from(gates)
     for a, found in gates.items():
@@ -142,7 +149,8 @@ def hold_next_levels_for_updates(gradients: list, ops: list,
 
 def _writes_reached(graph: tf.Graph, starts: list, writes: dict, uses: Optional[dict]) -> dict:
     """For each op of `starts` and each op after one, a bit mask of the
-    indices b such that it will run before an op of `writes[b]` once the
+    indices b such that it will run before an op of `writes[b]` (the ops
+    index b's writes will wait for, themselves among them) once the
     function's automatic control dependencies are added (by data and control
     edges, and by the order of the ops using one resource). One walk over the
     ops after any of `starts`, each op's mask made of its successors'."""
