@@ -11,6 +11,7 @@ import collections.abc
 import tensorflow as tf
 
 from memory_saving_gradients.tfgraph import captures
+from memory_saving_gradients.tfgraph import compat
 from memory_saving_gradients.tfgraph import replicas
 from memory_saving_gradients.tfgraph.variables import as_tf_variable
 
@@ -122,7 +123,8 @@ def check_seed(seed, y, where):
 
 
 def as_tensors(values, what, allow_variables=False, allow_none=False):
-    """A list of graph tensors; resource variables (tf or Keras) become handles as xs."""
+    """A list of graph tensors; variables (tf or Keras) as xs become what
+    tf.gradients differentiates (a handle, or a v1 variable's reference)."""
     if isinstance(values, (tf.Tensor, tf.Variable, tf.IndexedSlices)) or values is None:
         values = [values]
     elif not isinstance(values, collections.abc.Iterable) or isinstance(values, (str, bytes)):
@@ -134,7 +136,7 @@ def as_tensors(values, what, allow_variables=False, allow_none=False):
         if v is None and allow_none:
             out.append(None)
         elif isinstance(v, tf.Variable) and allow_variables:
-            out.append(tf.convert_to_tensor(v.handle) if what == "xs"
+            out.append(compat.differentiable_source(v) if what == "xs"
                        else tf.convert_to_tensor(v))
         elif tf.is_symbolic_tensor(v):
             out.append(v)

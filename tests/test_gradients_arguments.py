@@ -123,6 +123,26 @@ def test_forward_ops_are_untouched_by_the_rewrite():
         assert after == before
 
 
+def test_a_v1_reference_variable_as_an_x():
+    # Its `handle` was asked for, which only resource variables have (a review
+    # found the AttributeError): it is its reference, as for tf.gradients.
+    graph = tf.Graph()
+    with graph.as_default():
+        w = tf.compat.v1.Variable(normal((6, 6), 0.5), use_resource=False)
+        x = tf.compat.v1.placeholder(tf.float32, [2, 6])
+        hs = [x]
+        for _ in range(6):
+            hs.append(tf.tanh(tf.matmul(hs[-1], w)))
+        y = tf.reduce_sum(hs[-1] ** 2)
+        ours = {mode: msg.gradients(y, [w], checkpoints=mode) for mode in ("memory", "speed")}
+        stock = tf.gradients(y, [w])
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            got, want = sess.run([ours, stock], {x: normal((2, 6))})
+    for mode in ours:
+        np.testing.assert_allclose(got[mode][0], want[0], rtol=1e-5, atol=1e-6)
+
+
 def test_copies_keep_their_originals_device(runtime):
     def build(ctx, x):
         ws = dense_layers(ctx, [6, 6, 6, 6, 6, 6])

@@ -953,14 +953,20 @@ def _gradients_through_a_closure(reader, case: str) -> list:
     made, not passed as an argument, differentiated as `case` says."""
     keras.utils.set_random_seed(0)
     x = tf.constant(np.random.default_rng(0).normal(size=(8, 6)), tf.float32)
-    before, layer = keras.layers.Dense(4), reader()
+    before, layer, lstm = keras.layers.Dense(4), reader(), keras.layers.LSTM(4)
 
     def scale(x):
         h = before(x)
-        return tf.complex(h, tf.cos(h)) if case.startswith("complex") else tf.sin(h)
+        if case.startswith("complex"):
+            return tf.complex(h, tf.cos(h))
+        if case.startswith("map_fn"):  # through a TensorList
+            return tf.map_fn(tf.sin, h)
+        if case.startswith("an LSTM"):  # an encoder's output, out of its loop's TensorList
+            return lstm(tf.reshape(h, (8, 2, 2)))
+        return tf.sin(h)
     layer.context["scale"] = scale(x)
     layer(x)
-    weights = before.trainable_weights + layer.trainable_weights
+    weights = before.trainable_weights + layer.trainable_weights + lstm.trainable_weights
     nested = tf.function(layer.__call__)  # the layer traced in a function of its own
 
     def loss(x, call=layer):
@@ -1001,12 +1007,14 @@ def _gradients_through_a_closure(reader, case: str) -> list:
 @pytest.mark.parametrize("case", [
     "a tf.function's argument, tf.gradients", "made before a tape, then tf.gradients",
     "complex, tape", "complex, tf.gradients", "nested tf.function, tape",
-    "nested tf.function, tf.gradients", "nested tf.function, eager tape"])
+    "nested tf.function, tf.gradients", "nested tf.function, eager tape", "map_fn, tape",
+    "an LSTM's output, tape"])
 def test_a_closure_carrying_a_gradient_keeps_it_whatever_differentiates_the_step(case):
-    # A review found each of these lost the closure's gradient (None, or an
+    # Reviews found each of these lost the closure's gradient (None, or an
     # input gradient missing its path through the closure): the tape that
     # reached the call did not watch it, a function's argument or capture
-    # was taken for a constant, or a complex tensor was not looked at.
+    # was taken for a constant, a complex tensor was not looked at, or the
+    # walk stopped at a TensorList.
     want = _gradients_through_a_closure(ReadsAContext, case)
     got = _gradients_through_a_closure(RecomputedReadsAContext, case)
     assert len(got) == len(want)
@@ -1028,7 +1036,11 @@ def test_a_closure_computed_from_constants_keeps_the_layer_a_segment(differentia
 
         @tf.function
         def step():
-            layer.context["scale"] = tf.sin(tf.cast(tf.range(4), tf.float32) + 0.5)
+            table = tf.lookup.StaticHashTable(tf.lookup.KeyValueTensorInitializer(
+                tf.range(4), tf.linspace(0.5, 2.0, 4)), default_value=0.0)
+            # Constants, and a lookup (no gradient, though it reads a resource).
+            layer.context["scale"] = (tf.sin(tf.cast(tf.range(4), tf.float32) + 0.5)
+                                      * table.lookup(tf.range(4)))
             with tf.GradientTape() as tape:
                 tape.watch(x)
                 loss = tf.reduce_sum(layer(x) ** 2)
@@ -1043,3 +1055,27 @@ def test_a_closure_computed_from_constants_keeps_the_layer_a_segment(differentia
     assert len(count_segments) == 1
     for a, b in zip(got, want):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_closure_a_tape_watches_keeps_its_gradient():
+    # Made from constants, but watched: a review found it got None.
+    x = tf.constant(np.random.default_rng(0).normal(size=(8, 6)), tf.float32)
+
+    def gradient(reader):
+        keras.utils.set_random_seed(0)
+        layer = reader()
+        layer.context["scale"] = tf.ones((4,))
+        layer(x)
+
+        @tf.function
+        def step():
+            noise = tf.sin(tf.linspace(0.0, 3.0, 4))
+            with tf.GradientTape() as tape:
+                tape.watch(noise)
+                layer.context["scale"] = noise * 2.0
+                loss = tf.reduce_sum(layer(x) ** 2)
+            return tape.gradient(loss, noise)
+        with msg.checkpointing():
+            return step().numpy()
+    np.testing.assert_allclose(gradient(RecomputedReadsAContext), gradient(ReadsAContext),
+                               rtol=1e-5)

@@ -195,6 +195,14 @@ def set_device(op: tf.Operation, device: str) -> None:
     op._set_device(device)  # pylint: disable=protected-access
 
 
+def differentiable_source(variable: tf.Variable) -> tf.Tensor:
+    """The tensor tf.gradients differentiates for `variable` as an x: a
+    resource variable's handle, a v1 reference variable's reference."""
+    if hasattr(variable, "handle"):
+        return tf.convert_to_tensor(variable.handle)
+    return tf_ops.convert_to_tensor(variable, as_ref=True)
+
+
 def is_ref_dtype(dtype: tf.DType) -> bool:
     return dtype._is_ref_dtype  # pylint: disable=protected-access
 

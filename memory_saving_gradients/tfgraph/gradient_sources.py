@@ -16,16 +16,20 @@ def carrying_gradient(tensors: list) -> list:
     """Those of `tensors` a gradient at which may pass on to something they
     are made from.
 
-    Walks each one's ancestors along differentiable (float or complex) inputs
-    and stops at the first that takes one: an op reading a resource (a
-    variable), a placeholder fed by its caller (a function's argument, a
-    `tf.compat.v1.placeholder`), or an eager tensor a recording tape watches.
-    Constants, ops without a gradient (`tf.stop_gradient`, random ops) and
-    integer inputs end a path; a function's capture (a placeholder, or the
-    constant a small eager tensor is captured as, which tapes see as that
-    tensor) is followed to the tensor it captures, through enclosing graphs.
-    Linear in the ops walked, each walk ending at the first source it finds,
-    and in the captures of the graphs it reaches.
+    Walks each one's ancestors along differentiable inputs (`is_differentiable`)
+    and stops at the first that takes one: a tensor a recording tape watches,
+    an op reading a resource or a v1 variable's reference, a placeholder fed
+    by its caller (a function's argument, a `tf.compat.v1.placeholder`).
+    Constants, ops without a gradient (`tf.stop_gradient`, random ops, table
+    lookups) and integer inputs end a path; a function's capture (a
+    placeholder, or the constant a small eager tensor is captured as, which
+    tapes see as that tensor) is followed to the tensor it captures, through
+    enclosing graphs. Linear in the ops walked, each walk ending at the first
+    source it finds, and in the captures of the graphs it reaches.
+
+    What it cannot see: a later `tf.gradients` asked for a tensor made from
+    constants alone, or a tape that, when the function runs, watches an
+    eager tensor it captured while traced with no tape watching.
     """
     captured = {}  # graph -> {id(its capture): the tensor it captures}
 
@@ -39,9 +43,9 @@ def carrying_gradient(tensors: list) -> list:
         stack, seen = [tensor], set()
         while stack:
             t = stack.pop()
+            if compat.tape_would_record([t]) or compat.is_ref_dtype(t.dtype):
+                return True
             if compat.is_eager_tensor(t):
-                if compat.tape_would_record([t]):
-                    return True
                 continue
             op = t.op
             if op in seen:
@@ -54,18 +58,21 @@ def carrying_gradient(tensors: list) -> list:
                 elif op.type == "Placeholder":
                     return True
                 continue
+            if not _has_gradient(op):
+                continue
             if any(i.dtype == tf.resource for i in op.inputs):
                 return True
-            if _has_gradient(op):
-                stack.extend(i for i in op.inputs if is_differentiable(i.dtype))
+            stack.extend(i for i in op.inputs if is_differentiable(i.dtype))
         return False
 
     return [t for t in tensors if carries(t)]
 
 
 def is_differentiable(dtype: tf.DType) -> bool:
-    """Float and complex tensors carry gradients; integers, booleans, strings do not."""
-    return dtype.is_floating or dtype.is_complex
+    """Float and complex tensors carry gradients, and variants (a TensorList
+    carries its items', as a Keras RNN's outputs come out of its loop);
+    integers, booleans and strings do not."""
+    return dtype.is_floating or dtype.is_complex or dtype.base_dtype == tf.variant
 
 
 def _has_gradient(op: tf.Operation) -> bool:
