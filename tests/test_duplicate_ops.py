@@ -70,7 +70,9 @@ def test_the_stock_peak_counts_twins_once():
     assert len(plan.model.merged) == 3
     measured = activation_peak(allocator_events(step, x, None))
     _, predicted = timeline.step_peaks(plan.model)
-    assert predicted == pytest.approx(measured, rel=0.15), (predicted / MIB, measured / MIB)
-    # Counted apart, three more 2 MiB ReLU outputs: 18 MiB against 12 measured.
+    # 12.0 MiB predicted; 12.0 measured alone, 10.0 beside another test
+    # process (backprop's order then frees one ReLU gradient sooner).
+    assert predicted == pytest.approx(measured, rel=0.25), (predicted / MIB, measured / MIB)
+    # Counted apart, three more 2 MiB ReLU outputs: 18 MiB.
     _, apart = timeline.step_peaks(dataclasses.replace(plan.model, merged={}))
-    assert apart > 1.15 * measured, (apart / MIB, measured / MIB)
+    assert apart > 1.45 * measured, (apart / MIB, measured / MIB)

@@ -1022,17 +1022,22 @@ def test_a_closure_carrying_a_gradient_keeps_it_whatever_differentiates_the_step
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+def _reader_built(reader) -> tuple:
+    """A batch, and `reader` (a ReadsAContext) built on it, seeded."""
+    keras.utils.set_random_seed(0)
+    x = tf.constant(np.random.default_rng(0).normal(size=(8, 6)), tf.float32)
+    layer = reader()
+    layer.context["scale"] = tf.ones((4,))
+    layer(x)
+    return x, layer
+
+
 @pytest.mark.parametrize("differentiate", ["tape", "tf.gradients"])
 def test_a_closure_computed_from_constants_keeps_the_layer_a_segment(differentiate,
                                                                      count_segments):
     # Nothing a gradient there could reach: the layer is still recomputed.
-    x = tf.constant(np.random.default_rng(0).normal(size=(8, 6)), tf.float32)
-
     def gradients(reader):
-        keras.utils.set_random_seed(0)
-        layer = reader()
-        layer.context["scale"] = tf.ones((4,))
-        layer(x)
+        x, layer = _reader_built(reader)
 
         @tf.function
         def step():
@@ -1059,13 +1064,8 @@ def test_a_closure_computed_from_constants_keeps_the_layer_a_segment(differentia
 
 def test_a_closure_a_tape_watches_keeps_its_gradient():
     # Made from constants, but watched: a review found it got None.
-    x = tf.constant(np.random.default_rng(0).normal(size=(8, 6)), tf.float32)
-
     def gradient(reader):
-        keras.utils.set_random_seed(0)
-        layer = reader()
-        layer.context["scale"] = tf.ones((4,))
-        layer(x)
+        x, layer = _reader_built(reader)
 
         @tf.function
         def step():
