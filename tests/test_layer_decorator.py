@@ -912,13 +912,11 @@ class SetsTheContext(keras.Model):
 
 @pytest.mark.parametrize("differentiate", ["tape", "tf.gradients",
                                            "tf.gradients under an accumulator"])
-def test_a_float_tensor_closed_over_from_outside_keeps_its_gradient(differentiate, caplog,
-                                                                    monkeypatch):
+def test_a_float_tensor_closed_over_from_outside_keeps_its_gradient(differentiate,
+                                                                    count_segments):
     # tf.custom_gradient sends gradients to its inputs only: the layer that
-    # made the closed-over tensor got None (a review found it), so the call
-    # is not a segment then, and says so. A ForwardAccumulator records too,
-    # but says nothing of what tf.gradients will differentiate.
-    monkeypatch.setattr(layer_decorator, "_logged", set())
+    # made the closed-over tensor got None (a review found it). The closure
+    # crosses the boundary as an input, so the layer stays a segment.
     x = tf.constant(np.random.default_rng(0).normal(size=(8, 6)), tf.float32)
 
     def gradients(reader):
@@ -941,11 +939,11 @@ def test_a_float_tensor_closed_over_from_outside_keeps_its_gradient(differentiat
         with msg.checkpointing():
             return [g.numpy() for g in step()]
     want = gradients(ReadsAContext)
-    with caplog.at_level(logging.WARNING, logger="memory_saving_gradients"):
-        got = gradients(RecomputedReadsAContext)
+    assert not count_segments
+    got = gradients(RecomputedReadsAContext)
+    assert len(count_segments) == 1
     for a, b in zip(got, want):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-    assert "a tensor made outside it that carries a gradient" in caplog.text
 
 
 def _gradients_through_a_closure(reader, case: str) -> list:
@@ -1009,14 +1007,17 @@ def _gradients_through_a_closure(reader, case: str) -> list:
     "complex, tape", "complex, tf.gradients", "nested tf.function, tape",
     "nested tf.function, tf.gradients", "nested tf.function, eager tape", "map_fn, tape",
     "an LSTM's output, tape"])
-def test_a_closure_carrying_a_gradient_keeps_it_whatever_differentiates_the_step(case):
+def test_a_closure_carrying_a_gradient_keeps_it_whatever_differentiates_the_step(
+        case, count_segments):
     # Reviews found each of these lost the closure's gradient (None, or an
-    # input gradient missing its path through the closure): the tape that
-    # reached the call did not watch it, a function's argument or capture
-    # was taken for a constant, a complex tensor was not looked at, or the
-    # walk stopped at a TensorList.
+    # input gradient missing its path through the closure) when the layer was
+    # a segment that did not pass the closure through. A complex closure
+    # keeps the layer as built; a layer in a nested function is differentiated
+    # where its gradient is built, by TensorFlow.
     want = _gradients_through_a_closure(ReadsAContext, case)
+    assert not count_segments
     got = _gradients_through_a_closure(RecomputedReadsAContext, case)
+    assert bool(count_segments) == (not case.startswith(("complex", "nested")))
     assert len(got) == len(want)
     for a, b in zip(got, want):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
@@ -1035,7 +1036,8 @@ def _reader_built(reader) -> tuple:
 @pytest.mark.parametrize("differentiate", ["tape", "tf.gradients"])
 def test_a_closure_computed_from_constants_keeps_the_layer_a_segment(differentiate,
                                                                      count_segments):
-    # Nothing a gradient there could reach: the layer is still recomputed.
+    # tf.gradients may still ask for the closure itself (it got None when
+    # the segment did not pass the closure through).
     def gradients(reader):
         x, layer = _reader_built(reader)
 
@@ -1044,14 +1046,14 @@ def test_a_closure_computed_from_constants_keeps_the_layer_a_segment(differentia
             table = tf.lookup.StaticHashTable(tf.lookup.KeyValueTensorInitializer(
                 tf.range(4), tf.linspace(0.5, 2.0, 4)), default_value=0.0)
             # Constants, and a lookup (no gradient, though it reads a resource).
-            layer.context["scale"] = (tf.sin(tf.cast(tf.range(4), tf.float32) + 0.5)
-                                      * table.lookup(tf.range(4)))
+            scale = tf.sin(tf.cast(tf.range(4), tf.float32) + 0.5) * table.lookup(tf.range(4))
+            layer.context["scale"] = scale
             with tf.GradientTape() as tape:
                 tape.watch(x)
                 loss = tf.reduce_sum(layer(x) ** 2)
             sources = [x] + layer.trainable_weights
             if differentiate == "tf.gradients":
-                return tf.gradients(loss, sources)
+                return tf.gradients(loss, sources + [scale])
             return tape.gradient(loss, sources)
         with msg.checkpointing():
             return [g.numpy() for g in step()]
@@ -1079,3 +1081,28 @@ def test_a_closure_a_tape_watches_keeps_its_gradient():
             return step().numpy()
     np.testing.assert_allclose(gradient(RecomputedReadsAContext), gradient(ReadsAContext),
                                rtol=1e-5)
+
+
+@pytest.mark.parametrize("batch", [8, 64])  # the eager tensor captured as a constant, or not
+def test_an_eager_closure_watched_after_the_function_was_traced_keeps_its_gradient(
+        batch, count_segments):
+    # Traced with no tape watching it; an eager tape watches it when the
+    # function runs again: it got None when the segment did not pass it through.
+    def gradients(reader):
+        keras.utils.set_random_seed(0)
+        x = tf.constant(np.random.default_rng(0).normal(size=(batch, 6)), tf.float32)
+        scale = tf.constant(np.random.default_rng(1).normal(size=(batch, 4)), tf.float32)
+        layer = reader()
+        layer.context["scale"] = scale
+        layer(x)
+        loss = tf.function(lambda: tf.reduce_sum(layer(x) ** 2))
+        with msg.checkpointing():
+            loss()
+            with tf.GradientTape() as tape:
+                tape.watch(scale)
+                value = loss()
+            return [g.numpy() for g in tape.gradient(value, [scale] + layer.trainable_weights)]
+    want = gradients(ReadsAContext)
+    got = gradients(RecomputedReadsAContext)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

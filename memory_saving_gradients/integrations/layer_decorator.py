@@ -38,7 +38,7 @@ from memory_saving_gradients import api
 from memory_saving_gradients.integrations import optimizer_waits
 from memory_saving_gradients.integrations import patching
 from memory_saving_gradients.tfgraph import captures, compat, gradient_linearity, gradient_reads
-from memory_saving_gradients.tfgraph import gradient_sources, gradient_waits, graph_walks
+from memory_saving_gradients.tfgraph import gradient_waits, graph_walks
 from memory_saving_gradients.tfgraph import ledger
 
 logger = logging.getLogger("memory_saving_gradients")
@@ -208,73 +208,50 @@ def _call_as_segment(call: Callable, layer: keras.layers.Layer, args: tuple,
                      kwargs: dict):
     """`call(layer, *args, **kwargs)` behind a gradient boundary whose gradient
     recomputes the body. Float tensors anywhere in args/kwargs are its inputs;
-    everything else (training flags, masks, Python values) is closed over."""
+    everything else (training flags, masks, Python values) is closed over.
+    So are tensors the body reads without being given them (an attribute
+    another layer set): they cross the boundary as inputs too, found once
+    the body is built, so a gradient there still reaches what made them."""
     leaves = tf.nest.flatten((args, kwargs))
     slots = [i for i, v in enumerate(leaves) if _is_differentiable_input(v)]
-
-    @tf.custom_gradient
-    def segment(*outer):
-        # tf.custom_gradient wants each input's own (partial) gradient. The
-        # body reads stand-ins, so that one input computed from another, or
-        # passed twice, gets only the gradient of its own reads: differentiated
-        # from the outer tensors, the path between them would be counted here
-        # and again by the backprop outside.
-        inputs = [tf.identity(t) for t in outer]
-        filled = list(leaves)
-        for slot, tensor in zip(slots, inputs):
-            filled[slot] = tensor
-        call_args, call_kwargs = tf.nest.pack_sequence_as((args, kwargs), filled)
-        graph = tf.compat.v1.get_default_graph()
-        first_op = len(graph.get_operations())
-        _building.depth, _building.inner = getattr(_building, "depth", 0) + 1, set()
-        try:
-            outputs = call(layer, *call_args, **call_kwargs)
-        finally:
-            _building.depth -= 1
-        body_ops = graph.get_operations()[first_op:]  # in creation order
-        body.append((outputs, sorted(_building.inner)))
-        closed_over.extend(_closed_over_with_gradient(body_ops, inputs))
-        body_linear.append(gradient_linearity.overrides_linear(
-            body_ops, lambda op: gradient_reads.gradient_reads(op).linear))
-        # tf.custom_gradient passes a RaggedTensor or SparseTensor through
-        # without a gradient, and refuses None or Python values: only the
-        # float tensors (a composite's components among them) cross it; the
-        # rest (indices, shapes, ints, None) is packed again below as the
-        # body made it.
-        outputs = [t for t in tf.nest.flatten(outputs, expand_composites=True)
-                   if _is_differentiable_input(t)]
-
-        def gradient(*output_grads, variables: Optional[list] = None):
-            if boundary:  # a segment: its outputs are what the layer returns
-                output_grads = [None if _filled_in(g, result) else g
-                                for g, result in zip(output_grads, boundary)]
-            grads = _recomputed_gradients(graph, outputs, body_ops, inputs, variables or [],
-                                          output_grads)
-            input_grads = _after_weight_gradients(grads[:len(inputs)], grads[len(inputs):])
-            return (input_grads, grads[len(inputs):]) if variables else input_grads
-
-        return outputs, gradient
-
-    body, body_linear, closed_over = [], [], []
-    boundary = []
-    results = segment(*[leaves[i] for i in slots])
-    if closed_over:
-        # tf.custom_gradient sends gradients to its inputs only: the gradient
-        # through such a tensor (to the layers and weights that made it) was lost.
-        _log_once(f"{type(layer).__name__}: its call reads {closed_over[0].name}, a "
-                  f"tensor made outside it that carries a gradient (an attribute set by "
-                  f"another layer?), so it is not a recomputed segment (that gradient "
-                  f"would be lost); TensorFlow differentiates it as it is. Pass the tensor "
-                  f"as an argument of call to recompute the layer")
-        return body[0][0]
-    if not all(body_linear):
+    outer = [leaves[i] for i in slots]
+    # tf.custom_gradient wants each input's own (partial) gradient. The body
+    # reads stand-ins, so that one input computed from another, or passed
+    # twice, gets only the gradient of its own reads: differentiated from the
+    # outer tensors, the path between them would be counted here and again by
+    # the backprop outside.
+    inputs = [tf.identity(t) for t in outer]
+    filled = list(leaves)
+    for slot, tensor in zip(slots, inputs):
+        filled[slot] = tensor
+    call_args, call_kwargs = tf.nest.pack_sequence_as((args, kwargs), filled)
+    graph = tf.compat.v1.get_default_graph()
+    first_op = len(graph.get_operations())
+    _building.depth, _building.inner = getattr(_building, "depth", 0) + 1, set()
+    try:
+        with compat.variables_read() as variables:
+            made = call(layer, *call_args, **call_kwargs)
+    finally:
+        _building.depth -= 1
+    body_ops = graph.get_operations()[first_op:]  # in creation order
+    closures = _closures(graph, body_ops, inputs)
+    unliftable = [t for t in closures if not t.dtype.is_floating]
+    if unliftable:
+        # A complex or TensorList closure: not through the boundary (our
+        # rewrite differentiates real floats), so the layer stays as built.
+        _log_once(f"{type(layer).__name__}: its call reads {unliftable[0].name}, a "
+                  f"{unliftable[0].dtype.name} tensor made outside it, so it is not a "
+                  f"recomputed segment; TensorFlow differentiates it as it is. Pass the "
+                  f"tensor as an argument of call to recompute the layer")
+        return made
+    if not gradient_linearity.overrides_linear(
+            body_ops, lambda op: gradient_reads.gradient_reads(op).linear):
         # A second order through the boundary would reach the override in two
         # parts (through our gradient's copies and through the boundary's own
         # gradient) and apply it to each: clip(a) + clip(b), not clip(a + b).
         # The body's own outputs bypass the boundary, left unread; the
         # rewrite outside keeps such overrides' ops (stock gradients there).
-        outputs, inner = body[0]
-        name = type(layer).__name__
+        name, inner = type(layer).__name__, sorted(_building.inner)
         inside = (f"; the @recompute_grad layers it calls ({', '.join(inner)}) built "
                   f"plainly inside it, so none of them is a segment either: to recompute "
                   f"those that hold no such override, leave {name} undecorated"
@@ -283,47 +260,74 @@ def _call_as_segment(call: Callable, layer: keras.layers.Layer, args: tuple,
                   f"incoming gradient (a clipping tf.custom_gradient?), so it is not a "
                   f"recomputed segment (a second order through one would be wrong); "
                   f"TensorFlow differentiates it as it is{inside}")
-        return outputs
+        return made
+    # tf.custom_gradient passes a RaggedTensor or SparseTensor through without
+    # a gradient, and refuses None or Python values: only the float tensors (a
+    # composite's components among them) cross it; the rest (indices, shapes,
+    # ints, None) is packed again below as the body made it.
+    outputs = [t for t in tf.nest.flatten(made, expand_composites=True)
+               if _is_differentiable_input(t)]
+    sources = inputs + closures
+    boundary = []
+
+    @tf.custom_gradient
+    def segment(*unused_sources):
+        # The body is built: tf.custom_gradient hands `gradient` the variables
+        # it reads only if it sees them read here.
+        compat.note_variables_read(variables)
+
+        def gradient(*output_grads, variables: Optional[list] = None):
+            output_grads = [None if _filled_in(g, result) else g
+                            for g, result in zip(output_grads, boundary)]
+            grads = _recomputed_gradients(graph, outputs, body_ops, sources, variables or [],
+                                          output_grads)
+            source_grads = _after_weight_gradients(grads[:len(sources)], grads[len(sources):])
+            return (source_grads, grads[len(sources):]) if variables else source_grads
+
+        return outputs, gradient
+
+    results = segment(*outer, *closures)
     # Its gradient is our rewrite's through the body: linear where the body's
     # overrides are, so the segment may be recomputed (the probe cannot build
     # it off its graph).
     gradient_linearity.declare_linear(results)
     boundary.extend(results)
     if _ENV_ON:  # else a patch is in force, whose reason makes updates wait
-        _updates_in_graph_wait(tf.compat.v1.get_default_graph())
+        _updates_in_graph_wait(graph)
     floats = iter(results)
     parts = []
-    for made in tf.nest.flatten(body[0][0], expand_composites=True):
-        if _is_differentiable_input(made):
+    for part in tf.nest.flatten(made, expand_composites=True):
+        if _is_differentiable_input(part):
             parts.append(next(floats))
-            compat.copy_keras_mask(made, parts[-1])  # Keras set it on the body's outputs
+            compat.copy_keras_mask(part, parts[-1])  # Keras set it on the body's outputs
         else:
-            parts.append(made)
-    return tf.nest.pack_sequence_as(body[0][0], parts, expand_composites=True)
+            parts.append(part)
+    return tf.nest.pack_sequence_as(made, parts, expand_composites=True)
 
 
-def _closed_over_with_gradient(body_ops: list, stand_ins: list) -> list:
-    """Tensors made outside the body that its ops read and that carry a
-    gradient (`gradient_sources.carrying_gradient`), whatever differentiates
-    the step: a tape that reaches the call may be followed by tf.gradients.
-    A tensor of an enclosing graph (the layer called in a nested tf.function)
-    or an eager one enters through a capture (a placeholder, or a constant)
-    the body's first use of it made."""
+def _closures(graph, body_ops: list, stand_ins: list) -> list:
+    """The differentiable tensors the body reads that it neither made nor was
+    given: made outside it, or captured from an enclosing graph or eagerly
+    (by the capture op, a placeholder or a constant, its first use made)."""
     inside, own = set(body_ops), {id(t) for t in stand_ins}
     outside = {id(t): t for op in body_ops for t in op.inputs
                if t.op not in inside and id(t) not in own}
-    captured = [t for op in body_ops if op.type in ("Const", "Placeholder") for t in op.outputs]
-    return gradient_sources.carrying_gradient(
-        [t for t in list(outside.values()) + captured
-         if gradient_sources.is_differentiable(t.dtype)])
+    captured = {id(inner) for _, inner in compat.captured_pairs(graph)}
+    made_by_capture = [t for op in body_ops if op.type in ("Const", "Placeholder")
+                       for t in op.outputs if id(t) in captured]
+    return [t for t in list(outside.values()) + made_by_capture
+            if t.dtype.is_floating or t.dtype.is_complex or t.dtype == tf.variant]
 
 
-def _recomputed_gradients(graph, outputs, body_ops: list, inputs: tuple, variables: list,
+def _recomputed_gradients(graph, outputs, body_ops: list, sources: list, variables: list,
                           output_grads: tuple) -> list:
-    """Gradients of the inputs then variables, recomputing the body from them.
+    """Gradients of the sources (stand-ins, closures) then variables,
+    recomputing the body from them.
 
     The body's float outputs are the only checkpoints, so everything between
-    them and the inputs is one segment, copied to wait for `output_grads`.
+    them and the sources is one segment, copied to wait for `output_grads`.
+    Each source gets the gradient of the body's own reads of it (a closure
+    made from an input's tensor is not differentiated through that input).
     A variable gets the gradient of its reads inside the body only: reads
     outside it (feeding the inputs, or another call of the same layer) get
     theirs from the tape, and differentiating down to the variable itself
@@ -331,7 +335,7 @@ def _recomputed_gradients(graph, outputs, body_ops: list, inputs: tuple, variabl
     """
     readers = [_readers_in_body(graph, body_ops, variable) for variable in variables]
     read_values = [t for _, ops in readers for op in ops for t in op.outputs]
-    xs = list(inputs) + read_values
+    xs = list(sources) + read_values
     # Outputs that depend on no x (constants, ints) get no gradient through.
     reached = _reached_from(xs, body_ops)
     pairs = [(y, g) for y, g in zip(tf.nest.flatten(outputs), output_grads)
@@ -351,7 +355,7 @@ def _recomputed_gradients(graph, outputs, body_ops: list, inputs: tuple, variabl
                       "in a tf.function an eager GradientTape differentiates) are "
                       "differentiated by TensorFlow there, without recomputation; call "
                       "them in the tf.function that takes the gradient")
-        grads = compat.stock_gradients(ys, xs, grad_ys=grad_ys)
+        grads = compat.stock_gradients(ys, xs, grad_ys=grad_ys, stop_gradients=list(sources))
     elif pairs and compat.any_tape_recording():
         # A tape records this gradient (nested tapes: a higher order). Our
         # copies are made off the tape, so it would miss their part: the
@@ -359,15 +363,16 @@ def _recomputed_gradients(graph, outputs, body_ops: list, inputs: tuple, variabl
         _log_once("a GradientTape records the gradient of @recompute_grad layers (nested "
                   "tapes: a higher order); those layers are differentiated without "
                   "recomputation there")
-        grads = compat.stock_gradients(ys, xs, grad_ys=grad_ys)
+        grads = compat.stock_gradients(ys, xs, grad_ys=grad_ys, stop_gradients=list(sources))
     elif pairs:
-        # Every op between the body's stand-in inputs (and reads) and its
-        # outputs was made by the call: the region is not sought above it.
+        # Every op between the body's sources (and reads) and its outputs
+        # was made by the call: the region is not sought above it.
         body = set(body_ops)
-        grads = api.gradients_in_region(ys, xs, grad_ys, [y for y in ys if y.op in body], body)
-    grad_of = dict(zip(map(id, read_values), grads[len(inputs):]))
-    return grads[:len(inputs)] + [_variable_gradient(handle, ops, grad_of)
-                                  for handle, ops in readers]
+        grads = api.gradients_in_region(ys, xs, grad_ys, [y for y in ys if y.op in body], body,
+                                        stop_gradients=list(sources))
+    grad_of = dict(zip(map(id, read_values), grads[len(sources):]))
+    return grads[:len(sources)] + [_variable_gradient(handle, ops, grad_of)
+                                   for handle, ops in readers]
 
 
 # Readers of an output through which no gradient comes back (tf.gradients'

@@ -12,6 +12,7 @@ import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.eager import forwardprop_util
 from tensorflow.python.eager import record
+from tensorflow.python.eager import tape as tape_module
 from tensorflow.python.framework import auto_control_deps
 from tensorflow.python.framework import func_graph as func_graph_module
 from tensorflow.python.framework import function_def_to_graph
@@ -176,6 +177,22 @@ class _SizedCaptures(func_graph_module.FuncGraph):
                 self.add_capture(tensor, placeholder)
                 return placeholder
         return super().capture(tensor, name, shape)
+
+
+@contextlib.contextmanager
+def variables_read():
+    """Yields a list filled, on leaving, with the trainable variables read
+    inside (as `tf.custom_gradient` finds those its function reads)."""
+    read = []
+    with record.VariableWatcher() as watcher:
+        yield read
+        read.extend(watcher.watched_variables())
+
+
+def note_variables_read(variables: list) -> None:
+    """Tells active tapes and variable watchers that `variables` were read."""
+    for variable in variables:
+        tape_module.variable_accessed(variable)
 
 
 def captured_pairs(graph: tf.Graph) -> list:
