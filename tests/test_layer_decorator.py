@@ -1147,3 +1147,71 @@ def test_a_closure_an_input_is_computed_from_is_counted_once(differentiate):
     got = gradients(RecomputedReadsAContext)
     for a, b in zip(got, want):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+class TwoOutputs(keras.layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.a, self.z = keras.layers.Dense(4), keras.layers.Dense(4)
+
+    def call(self, x):
+        return self.a(x), self.z(x)
+
+
+class RecomputedTwoOutputs(TwoOutputs):
+    @recompute_grad
+    def call(self, x):
+        return super().call(x)
+
+
+class ReadsWithoutGradient(ReadsAContext):
+    """Reads its closure only where no gradient passes (`read` says how)."""
+
+    def __init__(self, read, **kwargs):
+        super().__init__(**kwargs)
+        self.read = read
+
+    def call(self, x):
+        return tf.tanh(self.dense(x)) * self.read(self.context["scale"])
+
+
+class RecomputedReadsWithoutGradient(ReadsWithoutGradient):
+    @recompute_grad
+    def call(self, x):
+        return super().call(x)
+
+
+@pytest.mark.parametrize("read", ["stop_gradient", "comparison"])
+@pytest.mark.parametrize("differentiate", ["tape", "tf.gradients"])
+def test_a_closure_read_without_gradient_leaves_its_makers_weights_none(read, differentiate):
+    # Found by review: a closure read only through tf.stop_gradient, passed
+    # through the boundary, made the layer that computed it hand zeros (not
+    # None) to its weights, which momentum and weight decay would then move.
+    reads = {"stop_gradient": tf.stop_gradient,
+             "comparison": lambda s: tf.cast(s > 0.0, tf.float32)}
+    x = tf.constant(np.random.default_rng(0).normal(size=(8, 6)), tf.float32)
+
+    def gradients(maker, reader):
+        keras.utils.set_random_seed(0)
+        two, layer = maker(), reader(reads[read])
+        _, layer.context["scale"] = two(x)
+        layer(x)
+
+        @tf.function
+        def step():
+            with tf.GradientTape() as tape:
+                a, layer.context["scale"] = two(x)
+                loss = tf.reduce_sum(layer(x) ** 2) + tf.reduce_sum(a)
+            weights = two.trainable_weights + layer.trainable_weights
+            if differentiate == "tf.gradients":
+                return tf.gradients(loss, weights)
+            return tape.gradient(loss, weights)
+        with msg.checkpointing():
+            return step()
+    want = gradients(TwoOutputs, ReadsWithoutGradient)
+    got = gradients(RecomputedTwoOutputs, RecomputedReadsWithoutGradient)
+    assert [g is None for g in got] == [g is None for g in want] == [False, False, True,
+                                                                     True, False, False]
+    for a, b in zip(got, want):
+        if b is not None:
+            np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6)

@@ -234,7 +234,13 @@ def _call_as_segment(call: Callable, layer: keras.layers.Layer, args: tuple,
     finally:
         _building.depth -= 1
     body_ops = graph.get_operations()[first_op:]  # in creation order
-    closures = _closures(graph, body_ops, inputs)
+    # tf.custom_gradient passes a RaggedTensor or SparseTensor through without
+    # a gradient, and refuses None or Python values: only the float tensors (a
+    # composite's components among them) cross it; the rest (indices, shapes,
+    # ints, None) is packed again below as the body made it.
+    outputs = [t for t in tf.nest.flatten(made, expand_composites=True)
+               if _is_differentiable_input(t)]
+    closures = _closures(graph, body_ops, inputs, outputs)
     unliftable = [t for t in closures if not t.dtype.is_floating]
     if unliftable:
         # A complex or TensorList closure: not through the boundary (our
@@ -261,12 +267,6 @@ def _call_as_segment(call: Callable, layer: keras.layers.Layer, args: tuple,
                   f"recomputed segment (a second order through one would be wrong); "
                   f"TensorFlow differentiates it as it is{inside}")
         return made
-    # tf.custom_gradient passes a RaggedTensor or SparseTensor through without
-    # a gradient, and refuses None or Python values: only the float tensors (a
-    # composite's components among them) cross it; the rest (indices, shapes,
-    # ints, None) is packed again below as the body made it.
-    outputs = [t for t in tf.nest.flatten(made, expand_composites=True)
-               if _is_differentiable_input(t)]
     sources = inputs + closures
     boundary = []
 
@@ -305,18 +305,54 @@ def _call_as_segment(call: Callable, layer: keras.layers.Layer, args: tuple,
     return tf.nest.pack_sequence_as(made, parts, expand_composites=True)
 
 
-def _closures(graph, body_ops: list, stand_ins: list) -> list:
-    """The differentiable tensors the body reads that it neither made nor was
-    given: made outside it, or captured from an enclosing graph or eagerly
-    (by the capture op, a placeholder or a constant, its first use made)."""
+def _closures(graph, body_ops: list, stand_ins: list, outputs: list) -> list:
+    """The tensors the body reads that it neither made nor was given (made
+    outside it, or captured from an enclosing graph or eagerly, by the capture
+    op, a placeholder or a constant, its first use made) from which a
+    gradient at `outputs` comes back: through ops that pass one on
+    (`_passes_gradient`). One read only through `tf.stop_gradient` stays
+    outside the boundary: its maker gets None, not zeros."""
     inside, own = set(body_ops), {id(t) for t in stand_ins}
     outside = {id(t): t for op in body_ops for t in op.inputs
                if t.op not in inside and id(t) not in own}
     captured = {id(inner) for _, inner in compat.captured_pairs(graph)}
     made_by_capture = [t for op in body_ops if op.type in ("Const", "Placeholder")
                        for t in op.outputs if id(t) in captured]
+    ends = {id(t) for t in outputs}
     return [t for t in list(outside.values()) + made_by_capture
-            if t.dtype.is_floating or t.dtype.is_complex or t.dtype == tf.variant]
+            if compat.is_trainable(t) and t.dtype != tf.resource  # variables go apart
+            and _gradient_comes_back(t, inside, ends)]
+
+
+def _gradient_comes_back(source: tf.Tensor, body: set, ends: set) -> bool:
+    """Whether a path of ops in `body` passing gradients leads from `source`
+    to a tensor in `ends` (ids). Linear in the ops walked."""
+    todo, seen = [source], set()
+    while todo:
+        tensor = todo.pop()
+        if id(tensor) in ends:
+            return True
+        for op in tensor.consumers():
+            if op in body and op not in seen and _passes_gradient(op):
+                seen.add(op)
+                todo.extend(t for t in op.outputs if compat.is_trainable(t))
+    return False
+
+
+def _passes_gradient(op: tf.Operation) -> bool:
+    """Whether a gradient at `op`'s outputs can reach its inputs: not a stop
+    (`tf.stop_gradient`, tf.gradients' own zeros), registered as
+    differentiable, and with an output tapes differentiate (not a comparison
+    or a shape). None registered counts as none passed: tf.gradients raises
+    there only if it must differentiate through it."""
+    if op.type in _NO_GRADIENT_READERS:
+        return False
+    try:
+        if compat.gradient_function(op) is None:
+            return False
+    except LookupError:
+        return False
+    return any(compat.is_trainable(t) for t in op.outputs)
 
 
 def _recomputed_gradients(graph, outputs, body_ops: list, sources: list, variables: list,
@@ -382,7 +418,7 @@ _NO_GRADIENT_READERS = frozenset({"ZerosLike", "StopGradient", "PreventGradient"
 
 def _filled_in(grad, result: tf.Tensor) -> bool:
     """True if `grad`, the gradient of the layer's output `result`, is None
-    or zeros TensorFlow made because no op reads `result`.
+    or zeros TensorFlow made because nothing reads `result` differentiably.
 
     `tf.custom_gradient` hands its gradient function such zeros for unread
     outputs (tf.gradients: a `ZerosLike`; a tape: a zero constant, or a
@@ -391,14 +427,14 @@ def _filled_in(grad, result: tf.Tensor) -> bool:
     instead of applying a zero gradient (momentum and weight decay would
     still move the weight). Zeros for an output something differentiable
     reads are a real gradient (`tf.sign`'s is zeros): kept, as the
-    undecorated layer's zeros.
+    undecorated layer's zeros. Readers passing no gradient (a comparison,
+    `tf.stop_gradient`) do not count.
     Read on the layer's own output: a copy the rewrite outside recomputes
     has the readers it copied. Dropping zeros changes no value.
     """
     if grad is None:
         return True
-    if not isinstance(grad, tf.Tensor) or any(
-            reader.type not in _NO_GRADIENT_READERS for reader in result.consumers()):
+    if not isinstance(grad, tf.Tensor) or any(map(_passes_gradient, result.consumers())):
         return False
     op = grad.op
     if op.type == "ZerosLike":

@@ -89,14 +89,9 @@ def tracked(seeds, record, graph):
     tracked = {id(t) for t in seeds}
     recorded = record.recorded(graph)
     for op in graph.get_operations():
-        if recorded(op) and any(id(t) in tracked and _trainable(t) for t in op.inputs):
+        if recorded(op) and any(id(t) in tracked and compat.is_trainable(t) for t in op.inputs):
             tracked.update(id(t) for t in op.outputs)
     return tracked
-
-
-def _trainable(tensor):
-    dtype = tensor.dtype
-    return dtype.is_floating or dtype.is_complex or dtype in (tf.resource, tf.variant)
 
 
 def between(targets, sources) -> set:

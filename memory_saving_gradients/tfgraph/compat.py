@@ -10,6 +10,7 @@ import contextlib
 
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
+from tensorflow.python.eager import backprop_util
 from tensorflow.python.eager import forwardprop_util
 from tensorflow.python.eager import record
 from tensorflow.python.eager import tape as tape_module
@@ -177,6 +178,12 @@ class _SizedCaptures(func_graph_module.FuncGraph):
                 self.add_capture(tensor, placeholder)
                 return placeholder
         return super().capture(tensor, name, shape)
+
+
+def is_trainable(tensor: tf.Tensor) -> bool:
+    """Whether tapes differentiate `tensor`: float, complex, a resource, or a
+    variant that may hold such values (a TensorList of floats)."""
+    return backprop_util.IsTrainable(tensor)
 
 
 @contextlib.contextmanager
