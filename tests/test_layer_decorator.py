@@ -910,18 +910,35 @@ class SetsTheContext(keras.Model):
         return self.reader(x)
 
 
+class FeedsTheContext(keras.Model):
+    """The reader's input is computed from the tensor it also closes over."""
+
+    def __init__(self, reader, **kwargs):
+        super().__init__(**kwargs)
+        self.before, self.reader = keras.layers.Dense(4), reader()
+
+    def call(self, x):
+        scale = tf.sin(self.before(x))
+        self.reader.context["scale"] = scale
+        return self.reader(tf.concat([scale, scale[:, :2] * x[:, :2]], axis=-1))
+
+
+@pytest.mark.parametrize("model_type", [SetsTheContext, FeedsTheContext])
 @pytest.mark.parametrize("differentiate", ["tape", "tf.gradients",
                                            "tf.gradients under an accumulator"])
-def test_a_float_tensor_closed_over_from_outside_keeps_its_gradient(differentiate,
+def test_a_float_tensor_closed_over_from_outside_keeps_its_gradient(model_type, differentiate,
                                                                     count_segments):
     # tf.custom_gradient sends gradients to its inputs only: the layer that
     # made the closed-over tensor got None (a review found it). The closure
-    # crosses the boundary as an input, so the layer stays a segment.
+    # crosses the boundary as an input, so the layer stays a segment. Its
+    # gradient is the body's direct reads of it (FeedsTheContext): the path
+    # through an input computed from it is the backprop outside's (counted
+    # twice without the stops).
     x = tf.constant(np.random.default_rng(0).normal(size=(8, 6)), tf.float32)
 
     def gradients(reader):
         keras.utils.set_random_seed(0)
-        model = SetsTheContext(reader)
+        model = model_type(reader)
         model(x)
 
         @tf.function
@@ -1102,47 +1119,6 @@ def test_an_eager_closure_watched_after_the_function_was_traced_keeps_its_gradie
                 tape.watch(scale)
                 value = loss()
             return [g.numpy() for g in tape.gradient(value, [scale] + layer.trainable_weights)]
-    want = gradients(ReadsAContext)
-    got = gradients(RecomputedReadsAContext)
-    for a, b in zip(got, want):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-
-
-class FeedsTheContext(keras.Model):
-    """The reader's input is computed from the tensor it also closes over."""
-
-    def __init__(self, reader, **kwargs):
-        super().__init__(**kwargs)
-        self.before, self.reader = keras.layers.Dense(4), reader()
-
-    def call(self, x):
-        scale = tf.sin(self.before(x))
-        self.reader.context["scale"] = scale
-        return self.reader(tf.concat([scale, scale[:, :2] * x[:, :2]], axis=-1))
-
-
-@pytest.mark.parametrize("differentiate", ["tape", "tf.gradients"])
-def test_a_closure_an_input_is_computed_from_is_counted_once(differentiate):
-    # The closure's gradient is the body's direct reads of it: the path
-    # through the input is the backprop outside's (counted twice, the weights
-    # that made it would get too much).
-    x = tf.constant(np.random.default_rng(0).normal(size=(8, 6)), tf.float32)
-
-    def gradients(reader):
-        keras.utils.set_random_seed(0)
-        model = FeedsTheContext(reader)
-        model(x)
-
-        @tf.function
-        def step():
-            with tf.GradientTape() as tape:
-                tape.watch(x)
-                loss = tf.reduce_sum(model(x) ** 2)
-            if differentiate == "tf.gradients":
-                return tf.gradients(loss, [x] + model.trainable_weights)
-            return tape.gradient(loss, [x] + model.trainable_weights)
-        with msg.checkpointing():
-            return [g.numpy() for g in step()]
     want = gradients(ReadsAContext)
     got = gradients(RecomputedReadsAContext)
     for a, b in zip(got, want):
