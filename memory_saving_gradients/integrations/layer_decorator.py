@@ -224,16 +224,9 @@ def _call_as_segment(call: Callable, layer: keras.layers.Layer, args: tuple,
     filled = list(leaves)
     for slot, tensor in zip(slots, inputs):
         filled[slot] = tensor
-    call_args, call_kwargs = tf.nest.pack_sequence_as((args, kwargs), filled)
     graph = tf.compat.v1.get_default_graph()
-    first_op = len(graph.get_operations())
-    _building.depth, _building.inner = getattr(_building, "depth", 0) + 1, set()
-    try:
-        with compat.variables_read() as variables:
-            made = call(layer, *call_args, **call_kwargs)
-    finally:
-        _building.depth -= 1
-    body_ops = graph.get_operations()[first_op:]  # in creation order
+    made, body_ops, read_variables = _built_body(
+        graph, call, layer, *tf.nest.pack_sequence_as((args, kwargs), filled))
     # tf.custom_gradient passes a RaggedTensor or SparseTensor through without
     # a gradient, and refuses None or Python values: only the float tensors (a
     # composite's components among them) cross it; the rest (indices, shapes,
@@ -274,7 +267,7 @@ def _call_as_segment(call: Callable, layer: keras.layers.Layer, args: tuple,
     def segment(*unused_sources):
         # The body is built: tf.custom_gradient hands `gradient` the variables
         # it reads only if it sees them read here.
-        compat.note_variables_read(variables)
+        compat.note_variables_read(read_variables)
 
         def gradient(*output_grads, variables: Optional[list] = None):
             output_grads = [None if _filled_in(g, result) else g
@@ -303,6 +296,19 @@ def _call_as_segment(call: Callable, layer: keras.layers.Layer, args: tuple,
         else:
             parts.append(part)
     return tf.nest.pack_sequence_as(made, parts, expand_composites=True)
+
+
+def _built_body(graph, call: Callable, layer, call_args: tuple, call_kwargs: dict) -> tuple:
+    """(what `call` returns, the ops it made in creation order, the trainable
+    variables it read); decorated layers it calls build plainly inside it."""
+    first_op = len(graph.get_operations())
+    _building.depth, _building.inner = getattr(_building, "depth", 0) + 1, set()
+    try:
+        with compat.variables_read() as variables:
+            made = call(layer, *call_args, **call_kwargs)
+    finally:
+        _building.depth -= 1
+    return made, graph.get_operations()[first_op:], variables
 
 
 def _closures(graph, body_ops: list, stand_ins: list, outputs: list) -> list:
