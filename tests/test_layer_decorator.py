@@ -1191,3 +1191,52 @@ def test_a_closure_read_without_gradient_leaves_its_makers_weights_none(read, di
     for a, b in zip(got, want):
         if b is not None:
             np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6)
+
+
+class ScaledByAStatistic(keras.layers.Layer):
+    """tanh(x @ w) * m, with m a non-trainable weight (a running statistic, say)."""
+
+    def build(self, shape):
+        self.w = self.add_weight(shape=(shape[-1], 4), initializer="glorot_uniform")
+        self.m = self.add_weight(shape=(4,), initializer="ones", trainable=False)
+
+    def call(self, x):
+        return tf.tanh(x @ self.w) * self.m
+
+
+class RecomputedScaledByAStatistic(ScaledByAStatistic):
+    @recompute_grad
+    def call(self, x):
+        return super().call(x)
+
+
+@pytest.mark.parametrize("differentiate", ["watching tape", "tf.gradients", "tape"])
+def test_a_non_trainable_weight_read_inside_gets_its_gradient_when_asked(differentiate):
+    # Found by review: variable watchers skip non-trainable variables, so the
+    # segment gave a watched one None, where the undecorated layer gives its
+    # gradient. Unwatched, a tape gives it None either way.
+    x = tf.constant(np.random.default_rng(0).normal(size=(8, 6)), tf.float32)
+
+    def gradients(layer_type):
+        keras.utils.set_random_seed(0)
+        layer = layer_type()
+        layer(x)
+
+        @tf.function
+        def step():
+            with tf.GradientTape() as tape:
+                if differentiate == "watching tape":
+                    tape.watch(layer.m.value)
+                loss = tf.reduce_sum(layer(x) ** 2)
+            if differentiate == "tf.gradients":
+                return tf.gradients(loss, [layer.w.handle, layer.m.handle])
+            return tape.gradient(loss, [layer.w.value, layer.m.value])
+        with msg.checkpointing():
+            return step()
+    want = gradients(ScaledByAStatistic)
+    got = gradients(RecomputedScaledByAStatistic)
+    assert [g is None for g in got] == [g is None for g in want] == [
+        False, differentiate == "tape"]
+    for a, b in zip(got, want):
+        if b is not None:
+            np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6)
