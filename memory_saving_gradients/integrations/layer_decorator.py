@@ -299,10 +299,8 @@ def _call_as_segment(call: Callable, layer: keras.layers.Layer, args: tuple,
 
 
 def _built_body(graph, call: Callable, layer, call_args: tuple, call_kwargs: dict) -> tuple:
-    """(what `call` returns, the ops it made in creation order, the variables
-    it read); decorated layers it calls build plainly inside it. Non-trainable
-    variables among them too: a tape told to watch one, or tf.gradients asked
-    for its handle, differentiates it as any other."""
+    """(what `call` returns, the ops it made in creation order, the trainable
+    variables it read); decorated layers it calls build plainly inside it."""
     first_op = len(graph.get_operations())
     _building.depth, _building.inner = getattr(_building, "depth", 0) + 1, set()
     try:
@@ -310,8 +308,7 @@ def _built_body(graph, call: Callable, layer, call_args: tuple, call_kwargs: dic
             made = call(layer, *call_args, **call_kwargs)
     finally:
         _building.depth -= 1
-    body_ops = graph.get_operations()[first_op:]
-    return made, body_ops, variables + compat.untrained_variables_read(graph, body_ops)
+    return made, graph.get_operations()[first_op:], variables
 
 
 def _closures(graph, body_ops: list, stand_ins: list, outputs: list) -> list:

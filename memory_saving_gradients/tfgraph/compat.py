@@ -10,7 +10,6 @@ import contextlib
 
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
-from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import backprop_util
 from tensorflow.python.eager import forwardprop_util
 from tensorflow.python.eager import record
@@ -197,25 +196,10 @@ def variables_read():
         read.extend(watcher.watched_variables())
 
 
-def untrained_variables_read(graph: tf.Graph, ops: list) -> list:
-    """The non-trainable variables whose handles `ops` of a function's graph
-    read through its captures ([] for any other graph). Variable watchers and
-    tapes skip those reads; the function's graph notes every variable read."""
-    handles = {id(t) for op in ops for t in op.inputs if t.dtype == tf.resource}
-    outer = {id(o) for o, inner in captured_pairs(graph) if id(inner) in handles}
-    return [v for v in getattr(graph, "_watched_variables", ())
-            if not v.trainable and id(v.handle) in outer]
-
-
 def note_variables_read(variables: list) -> None:
-    """Tells variable watchers (`tf.custom_gradient`'s) that `variables` were
-    read, and active tapes that the trainable ones were (a tape watches those
-    it is told of, so not the others: as for any read)."""
+    """Tells active tapes and variable watchers that `variables` were read."""
     for variable in variables:
-        if variable.trainable:
-            tape_module.variable_accessed(variable)
-        else:
-            pywrap_tfe.TFE_Py_VariableWatcherVariableAccessed(variable)
+        tape_module.variable_accessed(variable)
 
 
 def captured_pairs(graph: tf.Graph) -> list:
