@@ -347,17 +347,20 @@ def _gradient_comes_back(source: tf.Tensor, body: set, ends: set) -> bool:
 
 def _passes_gradient(op: tf.Operation) -> bool:
     """Whether a gradient at `op`'s outputs can reach its inputs: not a stop
-    (`tf.stop_gradient`, tf.gradients' own zeros), registered as
+    (`tf.stop_gradient`, tf.gradients' own zeros) unless a
+    gradient_override_map gave it another gradient, not registered as not
     differentiable, and with an output tapes differentiate (not a comparison
-    or a shape). None registered counts as none passed: tf.gradients raises
-    there only if it must differentiate through it."""
-    if op.type in _NO_GRADIENT_READERS:
+    or a shape). An op with no gradient registered counts as passing one: a
+    function call has its function's, and for any other op differentiating
+    the segment raises as tf.gradients does there (loud, where leaving the
+    closure out would lose its gradient silently)."""
+    if op.type in _NO_GRADIENT_READERS and not compat.gradient_overridden(op):
         return False
     try:
         if compat.gradient_function(op) is None:
             return False
     except LookupError:
-        return False
+        pass
     return any(compat.is_trainable(t) for t in op.outputs)
 
 
