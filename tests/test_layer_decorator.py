@@ -1221,3 +1221,44 @@ def test_a_closure_read_through_an_overridden_stop_keeps_its_gradient():
     got = gradients(RecomputedTwoOutputs, RecomputedReadsWithoutGradient)
     for a, b in zip(got, want):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+class ReturnsTheContext(ReadsAContext):
+    """Returns its closure beside its output, reading it nowhere (review 2)."""
+
+    def call(self, x):
+        return tf.tanh(self.dense(x)), self.context["scale"]
+
+
+class RecomputedReturnsTheContext(ReturnsTheContext):
+    @recompute_grad
+    def call(self, x):
+        return super().call(x)
+
+
+@pytest.mark.parametrize("differentiate", ["tape", "tf.gradients"])
+def test_a_closure_returned_unread_keeps_its_gradient(differentiate):
+    x = tf.constant(np.random.default_rng(0).normal(size=(8, 6)), tf.float32)
+
+    def gradients(reader):
+        keras.utils.set_random_seed(0)
+        before, layer = keras.layers.Dense(4), reader()
+        layer.context["scale"] = before(x)
+        layer(x)
+
+        @tf.function
+        def step():
+            with tf.GradientTape() as tape:
+                layer.context["scale"] = tf.sin(before(x))
+                y, s = layer(x)
+                loss = tf.reduce_sum(y ** 2) + tf.reduce_sum(s ** 2)
+            weights = before.trainable_weights + layer.trainable_weights
+            if differentiate == "tf.gradients":
+                return tf.gradients(loss, weights)
+            return tape.gradient(loss, weights)
+        with msg.checkpointing():
+            return [g.numpy() for g in step()]
+    want = gradients(ReturnsTheContext)
+    got = gradients(RecomputedReturnsTheContext)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

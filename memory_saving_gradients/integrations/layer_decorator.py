@@ -319,8 +319,8 @@ def _closures(graph, body_ops: list, stand_ins: list, outputs: list) -> list:
     (`_passes_gradient`). One read only through `tf.stop_gradient` stays
     outside the boundary: its maker gets None, not zeros."""
     inside, own = set(body_ops), {id(t) for t in stand_ins}
-    outside = {id(t): t for op in body_ops for t in op.inputs
-               if t.op not in inside and id(t) not in own}
+    read = [t for op in body_ops for t in op.inputs] + list(outputs)  # returned as it is
+    outside = {id(t): t for t in read if t.op not in inside and id(t) not in own}
     captured = {id(inner) for _, inner in compat.captured_pairs(graph)}
     made_by_capture = [t for op in body_ops if op.type in ("Const", "Placeholder")
                        for t in op.outputs if id(t) in captured]
