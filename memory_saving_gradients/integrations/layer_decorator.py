@@ -321,28 +321,23 @@ def _closures(graph, body_ops: list, stand_ins: list, outputs: list) -> list:
     inside, own = set(body_ops), {id(t) for t in stand_ins}
     read = [t for op in body_ops for t in op.inputs] + list(outputs)  # returned as it is
     outside = {id(t): t for t in read if t.op not in inside and id(t) not in own}
-    captured = {id(inner) for _, inner in compat.captured_pairs(graph)}
-    made_by_capture = [t for op in body_ops if op.type in ("Const", "Placeholder")
-                       for t in op.outputs if id(t) in captured]
-    ends = {id(t) for t in outputs}
-    return [t for t in list(outside.values()) + made_by_capture
-            if compat.is_trainable(t) and t.dtype != tf.resource  # variables go apart
-            and _gradient_comes_back(t, inside, ends)]
+    made_here = [op for op in body_ops if op.type in ("Const", "Placeholder")]
+    if made_here:  # the graph's captures are listed only then: one list per call
+        captured = {id(inner) for _, inner in compat.captured_pairs(graph)}
+        outside.update((id(t), t) for op in made_here for t in op.outputs if id(t) in captured)
+    passes = {}  # op -> _passes_gradient(op), each asked once
 
+    def gradient_passes_back(tensor: tf.Tensor) -> bool:
+        if tensor.op not in inside or not compat.is_trainable(tensor):
+            return False
+        if tensor.op not in passes:
+            passes[tensor.op] = _passes_gradient(tensor.op)
+        return passes[tensor.op]
 
-def _gradient_comes_back(source: tf.Tensor, body: set, ends: set) -> bool:
-    """Whether a path of ops in `body` passing gradients leads from `source`
-    to a tensor in `ends` (ids). Linear in the ops walked."""
-    todo, seen = [source], set()
-    while todo:
-        tensor = todo.pop()
-        if id(tensor) in ends:
-            return True
-        for op in tensor.consumers():
-            if op in body and op not in seen and _passes_gradient(op):
-                seen.add(op)
-                todo.extend(t for t in op.outputs if compat.is_trainable(t))
-    return False
+    coming_back = graph_walks.tensors_feeding(outputs, through=gradient_passes_back)
+    return [t for t in outside.values()
+            if id(t) in coming_back and compat.is_trainable(t)
+            and t.dtype != tf.resource]  # variables go apart
 
 
 def _passes_gradient(op: tf.Operation) -> bool:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 
 def ops_reading(tensors: Iterable, within: Optional[set] = None) -> set:
@@ -18,4 +18,23 @@ def ops_reading(tensors: Iterable, within: Optional[set] = None) -> set:
             if op not in found and (within is None or op in within):
                 found.add(op)
                 todo.extend(op.outputs)
+    return found
+
+
+def tensors_feeding(tensors: Iterable, through: Callable) -> set:
+    """ids of `tensors` and of the tensors they are computed from, walking
+    from a tensor to its op's inputs only where `through(tensor)` holds.
+    Linear in the tensors reached and their ops' edges.
+
+    Example: for x -> a -> y, tensors_feeding([y], lambda t: True) holds the
+    ids of y, a's output and x; with `through=lambda t: t is not y`, only y's.
+    """
+    found, todo = set(), list(tensors)
+    while todo:
+        tensor = todo.pop()
+        if id(tensor) in found:
+            continue
+        found.add(id(tensor))
+        if through(tensor):
+            todo.extend(tensor.op.inputs)
     return found
