@@ -768,6 +768,9 @@ class RecomputedTwoHeads(TwoHeads):
 _READS = {"a": (lambda out: tf.reduce_sum(out["a"] ** 2), True),
           "a, b stopped": (lambda out: tf.reduce_sum(out["a"] ** 2)
                            + tf.reduce_sum(tf.stop_gradient(out["b"])), True),
+          "a, b stopped below": (lambda out: tf.reduce_sum(out["a"] ** 2)
+                                 + tf.reduce_sum(tf.stop_gradient(tf.exp(out["b"] * 2.0))),
+                                 True),
           # tf.sign's gradient is zeros: a real gradient, not a filled-in one.
           "a, sign of b": (lambda out: tf.reduce_sum(out["a"] ** 2)
                            + tf.reduce_sum(tf.sign(out["b"])), False)}

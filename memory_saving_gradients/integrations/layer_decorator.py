@@ -349,7 +349,7 @@ def _passes_gradient(op: tf.Operation) -> bool:
     function call has its function's, and for any other op differentiating
     the segment raises as tf.gradients does there (loud, where leaving the
     closure out would lose its gradient silently)."""
-    if op.type in _NO_GRADIENT_READERS and not compat.gradient_overridden(op):
+    if _stops(op):
         return False
     try:
         if compat.gradient_function(op) is None:
@@ -420,6 +420,12 @@ def _recomputed_gradients(graph, outputs, body_ops: list, sources: list, variabl
 _NO_GRADIENT_READERS = frozenset({"ZerosLike", "StopGradient", "PreventGradient"})
 
 
+def _stops(op: tf.Operation) -> bool:
+    """Whether `op` stops gradients (`tf.stop_gradient`) and no
+    gradient_override_map gave it a gradient."""
+    return op.type in _NO_GRADIENT_READERS and not compat.gradient_overridden(op)
+
+
 def _filled_in(grad, result: tf.Tensor) -> bool:
     """True if `grad`, the gradient of the layer's output `result`, is None
     or zeros TensorFlow made because nothing reads `result` differentiably.
@@ -432,14 +438,20 @@ def _filled_in(grad, result: tf.Tensor) -> bool:
     still move the weight). Zeros for an output something differentiable
     reads are a real gradient (`tf.sign`'s is zeros): kept, as the
     undecorated layer's zeros. Readers passing no gradient (a comparison,
-    `tf.stop_gradient`) do not count.
+    `tf.stop_gradient`) do not count, nor do paths of readers that all end in
+    `tf.stop_gradient` (`_gradient_may_come_back`).
     Read on the layer's own output: a copy the rewrite outside recomputes
     has the readers it copied. Dropping zeros changes no value.
     """
     if grad is None:
         return True
-    if not isinstance(grad, tf.Tensor) or any(map(_passes_gradient, result.consumers())):
+    if not isinstance(grad, tf.Tensor) or not _looks_filled_in(grad):
         return False
+    return not _gradient_may_come_back(result)
+
+
+def _looks_filled_in(grad: tf.Tensor) -> bool:
+    """Whether `grad` has the form of the zeros TensorFlow fills in."""
     op = grad.op
     if op.type == "ZerosLike":
         # Of the boundary's IdentityN output, or of a copy of it (in a backward
@@ -449,6 +461,28 @@ def _filled_in(grad, result: tf.Tensor) -> bool:
     if op.type == "Fill":
         return _all_zeros(op.inputs[1])
     return op.type == "Const" and _all_zeros(grad)
+
+
+def _gradient_may_come_back(result: tf.Tensor) -> bool:
+    """Whether a path of readers passing gradients leads from `result` to a
+    tensor a gradient may start from: one nothing reads, or one read by an
+    op that is not a stop and passes none (a target's shape; a comparison
+    there is no telling from a target). Paths all ending in stops
+    (`tf.stop_gradient(f(result))`) bring none back. `result`'s own readers
+    are read as they are: none passing means no gradient. Linear in the
+    ops walked; walked only for zeros that look filled in."""
+    todo, seen = [result], set()
+    while todo:
+        tensor = todo.pop()
+        readers = tensor.consumers()
+        if tensor is not result and (not readers or any(
+                not _stops(op) and not _passes_gradient(op) for op in readers)):
+            return True
+        for op in readers:
+            if op not in seen and _passes_gradient(op):
+                seen.add(op)
+                todo.extend(t for t in op.outputs if compat.is_trainable(t))
+    return False
 
 
 def _all_zeros(tensor: tf.Tensor) -> bool:
