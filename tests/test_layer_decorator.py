@@ -1265,3 +1265,58 @@ def test_a_closure_returned_unread_keeps_its_gradient(differentiate):
     got = gradients(RecomputedReturnsTheContext)
     for a, b in zip(got, want):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+class PartlyFrozen(keras.layers.Layer):
+    """A frozen Dense under a trainable one: its kernel is a non-trainable
+    weight read inside the call."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.frozen, self.top = keras.layers.Dense(6, activation="tanh"), keras.layers.Dense(4)
+        self.frozen.trainable = False
+
+    def call(self, x):
+        return self.top(self.frozen(x))
+
+
+class RecomputedPartlyFrozen(PartlyFrozen):
+    @recompute_grad
+    def call(self, x):
+        return super().call(x)
+
+
+@pytest.mark.parametrize("asked", ["frozen kernel", "frozen kernel and weights", "nothing"])
+def test_a_watched_non_trainable_weight_read_inside_gets_its_gradient(asked, count_segments):
+    # A tape told to watch a non-trainable weight the body reads got None: the
+    # read is inside the boundary, and variable watchers skip such weights.
+    # Its read value crosses the boundary when a tape tracks it (asked before
+    # the call), so nothing is built for the weights no one watches.
+    x = tf.constant(np.random.default_rng(0).normal(size=(8, 6)), tf.float32)
+
+    def gradients(kind):
+        keras.utils.set_random_seed(0)
+        layer = kind()
+        layer(x)
+        frozen = layer.frozen.kernel.value
+        weights = [w.value for w in layer.trainable_weights]
+        watched = {"frozen kernel": [frozen], "nothing": [],
+                   "frozen kernel and weights": [frozen] + weights}[asked]
+
+        @tf.function
+        def step():
+            with tf.GradientTape(watch_accessed_variables=asked != "frozen kernel") as tape:
+                for weight in watched:
+                    tape.watch(weight)
+                loss = tf.reduce_sum(layer(x) ** 2)
+            return tape.gradient(loss, [frozen] + weights)
+        with msg.checkpointing():
+            return step()
+    want = gradients(PartlyFrozen)
+    got = gradients(RecomputedPartlyFrozen)
+    assert count_segments
+    assert [g is None for g in got] == [g is None for g in want]
+    assert (want[0] is None) == (asked == "nothing")
+    for a, b in zip(got, want):
+        if b is not None:
+            np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6)

@@ -233,7 +233,9 @@ def _call_as_segment(call: Callable, layer: keras.layers.Layer, args: tuple,
     # ints, None) is packed again below as the body made it.
     outputs = [t for t in tf.nest.flatten(made, expand_composites=True)
                if _is_differentiable_input(t)]
-    closures = _closures(graph, body_ops, inputs, outputs)
+    coming_back = _gradient_comes_back_from(body_ops, outputs)
+    closures = (_closures(graph, body_ops, inputs, outputs, coming_back)
+                + _reads_a_tape_watches(graph, body_ops, read_variables, coming_back))
     unliftable = [t for t in closures if not t.dtype.is_floating]
     if unliftable:
         # A complex or TensorList closure: not through the boundary (our
@@ -311,21 +313,10 @@ def _built_body(graph, call: Callable, layer, call_args: tuple, call_kwargs: dic
     return made, graph.get_operations()[first_op:], variables
 
 
-def _closures(graph, body_ops: list, stand_ins: list, outputs: list) -> list:
-    """The tensors the body reads that it neither made nor was given (made
-    outside it, or captured from an enclosing graph or eagerly, by the capture
-    op, a placeholder or a constant, its first use made) from which a
-    gradient at `outputs` comes back: through ops that pass one on
-    (`_passes_gradient`). One read only through `tf.stop_gradient` stays
-    outside the boundary: its maker gets None, not zeros."""
-    inside, own = set(body_ops), {id(t) for t in stand_ins}
-    read = [t for op in body_ops for t in op.inputs] + list(outputs)  # returned as it is
-    outside = {id(t): t for t in read if t.op not in inside and id(t) not in own}
-    made_here = [op for op in body_ops if op.type in ("Const", "Placeholder")]
-    if made_here:  # the graph's captures are listed only then: one list per call
-        captured = {id(inner) for _, inner in compat.captured_pairs(graph)}
-        outside.update((id(t), t) for op in made_here for t in op.outputs if id(t) in captured)
-    passes = {}  # op -> _passes_gradient(op), each asked once
+def _gradient_comes_back_from(body_ops: list, outputs: list) -> set:
+    """ids of the tensors from which a gradient at `outputs` comes back
+    through the body: through ops that pass one on (`_passes_gradient`)."""
+    inside, passes = set(body_ops), {}  # op -> _passes_gradient(op), each asked once
 
     def gradient_passes_back(tensor: tf.Tensor) -> bool:
         if tensor.op not in inside or not compat.is_trainable(tensor):
@@ -334,10 +325,41 @@ def _closures(graph, body_ops: list, stand_ins: list, outputs: list) -> list:
             passes[tensor.op] = _passes_gradient(tensor.op)
         return passes[tensor.op]
 
-    coming_back = graph_walks.tensors_feeding(outputs, through=gradient_passes_back)
+    return graph_walks.tensors_feeding(outputs, through=gradient_passes_back)
+
+
+def _closures(graph, body_ops: list, stand_ins: list, outputs: list, coming_back: set) -> list:
+    """The tensors the body reads that it neither made nor was given (made
+    outside it, or captured from an enclosing graph or eagerly, by the capture
+    op, a placeholder or a constant, its first use made) from which a
+    gradient at `outputs` comes back (ids in `coming_back`). One read only
+    through `tf.stop_gradient` stays outside the boundary: its maker gets
+    None, not zeros."""
+    inside, own = set(body_ops), {id(t) for t in stand_ins}
+    read = [t for op in body_ops for t in op.inputs] + list(outputs)  # returned as it is
+    outside = {id(t): t for t in read if t.op not in inside and id(t) not in own}
+    made_here = [op for op in body_ops if op.type in ("Const", "Placeholder")]
+    if made_here:  # the graph's captures are listed only then: one list per call
+        captured = {id(inner) for _, inner in compat.captured_pairs(graph)}
+        outside.update((id(t), t) for op in made_here for t in op.outputs if id(t) in captured)
     return [t for t in outside.values()
             if id(t) in coming_back and compat.is_trainable(t)
             and t.dtype != tf.resource]  # variables go apart
+
+
+def _reads_a_tape_watches(graph, body_ops: list, told: list, coming_back: set) -> list:
+    """Values the body reads of variables `tf.custom_gradient` is not told
+    of (`told`: the trainable ones read) that a recording tape tracks (told
+    to watch a non-trainable weight before the call) and from which a
+    gradient comes back. They cross the boundary as closures do, and the
+    tape takes their gradient on to the variable through the read. Nothing
+    is built for weights no tape watches (`tf.gradients` of such a handle
+    still gets None)."""
+    told_reads = {op for variable in told for op in _readers_in_body(graph, body_ops, variable)[1]}
+    return [op.outputs[0] for op in body_ops
+            if op.type == "ReadVariableOp" and op not in told_reads
+            and op.outputs[0].dtype.is_floating and id(op.outputs[0]) in coming_back
+            and compat.tape_would_record(op.outputs)]
 
 
 def _passes_gradient(op: tf.Operation) -> bool:
