@@ -1320,3 +1320,71 @@ def test_a_watched_non_trainable_weight_read_inside_gets_its_gradient(asked, cou
     for a, b in zip(got, want):
         if b is not None:
             np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6)
+
+
+class ReadsWithoutRegisteredGradient(keras.layers.Layer):
+    """Adds `tf.truncatemod` of what it reads (no gradient registered) to a
+    Dense: of its input, or of a tensor another layer set (a closure)."""
+
+    def __init__(self, of, taken_as_constant=False, **kwargs):
+        super().__init__(**kwargs)
+        self.of, self.taken_as_constant = of, taken_as_constant
+        self.dense, self.context = keras.layers.Dense(6), {}
+
+    def call(self, x):
+        read = x if self.of == "input" else self.context["scale"]
+        mod = tf.truncatemod(read, 0.7)
+        return tf.tanh(self.dense(x)) * (tf.stop_gradient(mod) if self.taken_as_constant
+                                         else mod)
+
+
+class RecomputedReadsWithoutRegisteredGradient(ReadsWithoutRegisteredGradient):
+    @recompute_grad
+    def call(self, x):
+        return super().call(x)
+
+
+@pytest.mark.parametrize("of", ["input", "closure"])
+@pytest.mark.parametrize("asked", ["the layer's weights", "weights below it too"])
+@pytest.mark.parametrize("differentiate", ["tape", "tf.gradients"])
+def test_an_op_without_registered_gradient_is_taken_as_a_constant(of, asked, differentiate,
+                                                                   caplog, monkeypatch,
+                                                                   count_segments):
+    # The segment differentiates all its sources, asked for or not: it raised
+    # LookupError where a step's batch alone reached tf.truncatemod, which
+    # stock trains. It now stops there, as tf.stop_gradient does, and says so.
+    monkeypatch.setattr(layer_decorator, "_logged", set())
+    x = tf.constant(np.random.default_rng(0).normal(size=(8, 6)), tf.float32)
+
+    def gradients(kind, **kwargs):
+        keras.utils.set_random_seed(0)
+        below, layer = keras.layers.Dense(6), kind(of, **kwargs)
+        layer.context["scale"] = below(x)
+        layer(below(x))
+        weights = layer.trainable_weights + (below.trainable_weights
+                                             if asked == "weights below it too" else [])
+
+        @tf.function
+        def step():
+            with tf.GradientTape() as tape:
+                h = below(x)
+                layer.context["scale"] = h * 2.0
+                loss = tf.reduce_sum(layer(h) ** 2)
+            if differentiate == "tf.gradients":
+                return tf.gradients(loss, weights)
+            return tape.gradient(loss, weights)
+        with msg.checkpointing():
+            return [g.numpy() for g in step()]
+    if asked == "the layer's weights":
+        want = gradients(ReadsWithoutRegisteredGradient)
+    else:
+        # Stock: a LookupError (autograph's StagingError around it).
+        with pytest.raises(Exception, match="No gradient defined for operation"):
+            gradients(ReadsWithoutRegisteredGradient)
+        want = gradients(ReadsWithoutRegisteredGradient, taken_as_constant=True)
+    with caplog.at_level(logging.WARNING, logger="memory_saving_gradients"):
+        got = gradients(RecomputedReadsWithoutRegisteredGradient)
+    assert count_segments
+    assert ("TruncateMod ops inside @recompute_grad layers" in caplog.text) == (of == "input")
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

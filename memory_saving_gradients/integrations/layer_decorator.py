@@ -366,19 +366,42 @@ def _passes_gradient(op: tf.Operation) -> bool:
     """Whether a gradient at `op`'s outputs can reach its inputs: not a stop
     (`tf.stop_gradient`, tf.gradients' own zeros) unless a
     gradient_override_map gave it another gradient, not registered as not
-    differentiable, and with an output tapes differentiate (not a comparison
-    or a shape). An op with no gradient registered counts as passing one: a
-    function call has its function's, and for any other op differentiating
-    the segment raises as tf.gradients does there (loud, where leaving the
-    closure out would lose its gradient silently)."""
-    if _stops(op):
+    differentiable nor lacking a registered gradient (`_lacks_gradient`), and
+    with an output tapes differentiate (not a comparison or a shape)."""
+    if _stops(op) or _lacks_gradient(op):
         return False
-    try:
-        if compat.gradient_function(op) is None:
-            return False
-    except LookupError:
-        pass
+    if not compat.is_function_op(op) and compat.gradient_function(op) is None:
+        return False
     return any(compat.is_trainable(t) for t in op.outputs)
+
+
+def _lacks_gradient(op: tf.Operation) -> bool:
+    """Whether `op`'s type has no gradient registered (`tf.truncatemod`,
+    `tf.random.poisson`'s rate), where tf.gradients raises LookupError; a v1
+    function call has its function's."""
+    try:
+        compat.gradient_function(op)
+    except LookupError:
+        return not compat.is_function_op(op)
+    return False
+
+
+def _taken_as_constants(body_ops: list, reached: set) -> list:
+    """Outputs of the body's ops lacking a gradient (`_lacks_gradient`) that
+    read a tensor depending on a source (ids in `reached`): the segment's
+    gradient stops there, as at `tf.stop_gradient` (said once per op type).
+    The segment differentiates every source, asked for or not: raising there
+    as tf.gradients does would fail a step stock trains, one whose batch
+    alone reaches such an op."""
+    ops = [op for op in body_ops
+           if _lacks_gradient(op) and any(id(t) in reached for t in op.inputs)]
+    for op_type in sorted({op.type for op in ops}):
+        _log_once(f"{op_type} ops inside @recompute_grad layers have no gradient registered: "
+                  f"the layers' gradients take their outputs as constants (as "
+                  f"tf.stop_gradient would). Where a gradient through one is asked for (a "
+                  f"weight below it), TensorFlow raises LookupError instead: wrap such ops "
+                  f"in tf.stop_gradient to say so, or register a gradient for {op_type}")
+    return [t for op in ops for t in op.outputs]
 
 
 def _recomputed_gradients(graph, outputs, body_ops: list, sources: list, variables: list,
@@ -400,6 +423,7 @@ def _recomputed_gradients(graph, outputs, body_ops: list, sources: list, variabl
     xs = list(sources) + read_values
     # Outputs that depend on no x (constants, ints) get no gradient through.
     reached = _reached_from(xs, body_ops)
+    stops = list(sources) + _taken_as_constants(body_ops, reached)
     pairs = [(y, g) for y, g in zip(tf.nest.flatten(outputs), output_grads)
              if id(y) in reached and y.dtype.is_floating and g is not None]
     grads = [None] * len(xs)
@@ -417,7 +441,7 @@ def _recomputed_gradients(graph, outputs, body_ops: list, sources: list, variabl
                       "in a tf.function an eager GradientTape differentiates) are "
                       "differentiated by TensorFlow there, without recomputation; call "
                       "them in the tf.function that takes the gradient")
-        grads = compat.stock_gradients(ys, xs, grad_ys=grad_ys, stop_gradients=list(sources))
+        grads = compat.stock_gradients(ys, xs, grad_ys=grad_ys, stop_gradients=stops)
     elif pairs and compat.any_tape_recording():
         # A tape records this gradient (nested tapes: a higher order). Our
         # copies are made off the tape, so it would miss their part: the
@@ -425,13 +449,13 @@ def _recomputed_gradients(graph, outputs, body_ops: list, sources: list, variabl
         _log_once("a GradientTape records the gradient of @recompute_grad layers (nested "
                   "tapes: a higher order); those layers are differentiated without "
                   "recomputation there")
-        grads = compat.stock_gradients(ys, xs, grad_ys=grad_ys, stop_gradients=list(sources))
+        grads = compat.stock_gradients(ys, xs, grad_ys=grad_ys, stop_gradients=stops)
     elif pairs:
         # Every op between the body's sources (and reads) and its outputs
         # was made by the call: the region is not sought above it.
         body = set(body_ops)
         grads = api.gradients_in_region(ys, xs, grad_ys, [y for y in ys if y.op in body], body,
-                                        stop_gradients=list(sources))
+                                        stop_gradients=stops)
     grad_of = dict(zip(map(id, read_values), grads[len(sources):]))
     return grads[:len(sources)] + [_variable_gradient(handle, ops, grad_of)
                                    for handle, ops in readers]
