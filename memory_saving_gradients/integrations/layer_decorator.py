@@ -347,19 +347,21 @@ def _closures(graph, body_ops: list, stand_ins: list, outputs: list, coming_back
             and t.dtype != tf.resource]  # variables go apart
 
 
-def _reads_a_tape_watches(graph, body_ops: list, told: list, coming_back: set) -> list:
+def _reads_a_tape_watches(graph, body_ops: list, trainable_read: list, coming_back: set) -> list:
     """Values the body reads of variables `tf.custom_gradient` is not told
-    of (`told`: the trainable ones read) that a recording tape tracks (told
-    to watch a non-trainable weight before the call) and from which a
-    gradient comes back. They cross the boundary as closures do, and the
-    tape takes their gradient on to the variable through the read. Nothing
-    is built for weights no tape watches (`tf.gradients` of such a handle
-    still gets None)."""
-    told_reads = {op for variable in told for op in _readers_in_body(graph, body_ops, variable)[1]}
-    return [op.outputs[0] for op in body_ops
-            if op.type == "ReadVariableOp" and op not in told_reads
-            and op.outputs[0].dtype.is_floating and id(op.outputs[0]) in coming_back
-            and compat.tape_would_record(op.outputs)]
+    of (it is told of `trainable_read`) that a recording tape tracks (one
+    told to watch a non-trainable weight before the call was traced) and
+    from which a gradient comes back. They cross the boundary as closures
+    do, and the tape takes their gradient on to the variable through the
+    read. No gradient op is made for weights no tape watches (`tf.gradients`
+    of such a handle outside a watching tape still gets None)."""
+    tracked = [op for op in body_ops if op.type == "ReadVariableOp"
+               and op.outputs[0].dtype.is_floating and id(op.outputs[0]) in coming_back
+               and compat.tape_would_record(op.outputs)]
+    if not tracked:  # no tape recording, or one watching the trainable weights only
+        return []
+    told = {op for _, ops in _readers_in_body(graph, body_ops, trainable_read) for op in ops}
+    return [op.outputs[0] for op in tracked if op not in told]
 
 
 def _passes_gradient(op: tf.Operation) -> bool:
@@ -418,7 +420,7 @@ def _recomputed_gradients(graph, outputs, body_ops: list, sources: list, variabl
     theirs from the tape, and differentiating down to the variable itself
     would count them a second time.
     """
-    readers = [_readers_in_body(graph, body_ops, variable) for variable in variables]
+    readers = _readers_in_body(graph, body_ops, variables)
     read_values = [t for _, ops in readers for op in ops for t in op.outputs]
     xs = list(sources) + read_values
     # Outputs that depend on no x (constants, ints) get no gradient through.
@@ -484,20 +486,14 @@ def _filled_in(grad, result: tf.Tensor) -> bool:
     still move the weight). Zeros for an output something differentiable
     reads are a real gradient (`tf.sign`'s is zeros): kept, as the
     undecorated layer's zeros. Readers passing no gradient (a comparison,
-    `tf.stop_gradient`) do not count, nor do paths of readers that all end in
-    `tf.stop_gradient` (`_gradient_may_come_back`).
+    `tf.stop_gradient`) do not count.
     Read on the layer's own output: a copy the rewrite outside recomputes
     has the readers it copied. Dropping zeros changes no value.
     """
     if grad is None:
         return True
-    if not isinstance(grad, tf.Tensor) or not _looks_filled_in(grad):
+    if not isinstance(grad, tf.Tensor) or any(map(_passes_gradient, result.consumers())):
         return False
-    return not _gradient_may_come_back(result)
-
-
-def _looks_filled_in(grad: tf.Tensor) -> bool:
-    """Whether `grad` has the form of the zeros TensorFlow fills in."""
     op = grad.op
     if op.type == "ZerosLike":
         # Of the boundary's IdentityN output, or of a copy of it (in a backward
@@ -507,28 +503,6 @@ def _looks_filled_in(grad: tf.Tensor) -> bool:
     if op.type == "Fill":
         return _all_zeros(op.inputs[1])
     return op.type == "Const" and _all_zeros(grad)
-
-
-def _gradient_may_come_back(result: tf.Tensor) -> bool:
-    """Whether a path of readers passing gradients leads from `result` to a
-    tensor a gradient may start from: one nothing reads, or one read by an
-    op that is not a stop and passes none (a target's shape; a comparison
-    there is no telling from a target). Paths all ending in stops
-    (`tf.stop_gradient(f(result))`) bring none back. `result`'s own readers
-    are read as they are: none passing means no gradient. Linear in the
-    ops walked; walked only for zeros that look filled in."""
-    todo, seen = [result], set()
-    while todo:
-        tensor = todo.pop()
-        readers = tensor.consumers()
-        if tensor is not result and (not readers or any(
-                not _stops(op) and not _passes_gradient(op) for op in readers)):
-            return True
-        for op in readers:
-            if op not in seen and _passes_gradient(op):
-                seen.add(op)
-                todo.extend(t for t in op.outputs if compat.is_trainable(t))
-    return False
 
 
 def _all_zeros(tensor: tf.Tensor) -> bool:
@@ -566,12 +540,16 @@ def _reached_from(sources: list, body_ops: list) -> set:
     return {id(t) for t in sources} | {id(t) for op in reached for t in op.outputs}
 
 
-def _readers_in_body(graph, body_ops: list, variable) -> tuple:
-    """The variable's handle in the body's graph and the body's ops reading it."""
-    handle = captures.local_tensor(graph, variable.handle)
-    ops = [op for op in body_ops
-           if op.outputs and any(t is handle for t in op.inputs)] if handle is not None else []
-    return handle, ops
+def _readers_in_body(graph, body_ops: list, variables: list) -> list:
+    """(handle in the body's graph, the body's ops reading it) per variable,
+    in one pass over the body."""
+    handles = [captures.local_tensor(graph, variable.handle) for variable in variables]
+    reading = {id(handle): [] for handle in handles if handle is not None}
+    for op in body_ops:
+        if op.outputs:
+            for key in reading.keys() & {id(t) for t in op.inputs}:
+                reading[key].append(op)
+    return [(handle, reading[id(handle)] if handle is not None else []) for handle in handles]
 
 
 def _variable_gradient(handle, readers: list, grad_of: dict):
