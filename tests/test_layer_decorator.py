@@ -1331,8 +1331,10 @@ def test_a_watched_non_trainable_weight_read_inside_gets_its_gradient(asked, cou
 
 
 class ReadsWithoutRegisteredGradient(keras.layers.Layer):
-    """Adds `tf.truncatemod` of what it reads (no gradient registered) to a
-    Dense: of its input, or of a tensor another layer set (a closure)."""
+    """Multiplies a Dense by `tf.truncatemod` (no gradient registered) of what
+    it reads: its input, or a tensor another layer set (a closure). Ops on
+    no float path to the output (a print, a mask's indices, a stopped
+    truncatemod) are never differentiated and stay unmentioned."""
 
     def __init__(self, of, taken_as_constant=False, **kwargs):
         super().__init__(**kwargs)
@@ -1342,8 +1344,10 @@ class ReadsWithoutRegisteredGradient(keras.layers.Layer):
     def call(self, x):
         read = x if self.of == "input" else self.context["scale"]
         mod = tf.truncatemod(read, 0.7)
-        return tf.tanh(self.dense(x)) * (tf.stop_gradient(mod) if self.taken_as_constant
-                                         else mod)
+        y = tf.tanh(self.dense(x)) * (tf.stop_gradient(mod) if self.taken_as_constant else mod)
+        tf.print(tf.reduce_any(tf.math.is_finite(y)), output_stream=sys.stderr)
+        return y + tf.reduce_sum(tf.boolean_mask(x, x > 0.0)) + tf.stop_gradient(
+            tf.truncatemod(x + 1.0, 0.5))
 
 
 class RecomputedReadsWithoutRegisteredGradient(ReadsWithoutRegisteredGradient):
@@ -1353,36 +1357,37 @@ class RecomputedReadsWithoutRegisteredGradient(ReadsWithoutRegisteredGradient):
 
 
 @pytest.mark.parametrize("of", ["input", "closure"])
-@pytest.mark.parametrize("asked", ["the layer's weights", "weights below it too"])
+@pytest.mark.parametrize("asked", ["the layer's weights", "the weights below it too"])
 @pytest.mark.parametrize("differentiate", ["tape", "tf.gradients"])
 def test_an_op_without_registered_gradient_is_taken_as_a_constant(of, asked, differentiate,
                                                                    caplog, monkeypatch,
                                                                    count_segments):
     # The segment differentiates all its sources, asked for or not: it raised
     # LookupError where a step's batch alone reached tf.truncatemod, which
-    # stock trains. It now stops there, as tf.stop_gradient does, and says so.
+    # stock trains. It now stops there, as tf.stop_gradient does, and says so
+    # (a closure's maker reached only through it gets None and the warning;
+    # review: without it, silently). Ops no gradient passes say nothing.
     monkeypatch.setattr(layer_decorator, "_logged", set())
     x = tf.constant(np.random.default_rng(0).normal(size=(8, 6)), tf.float32)
 
     def gradients(kind, **kwargs):
         keras.utils.set_random_seed(0)
-        below, layer = keras.layers.Dense(6), kind(of, **kwargs)
-        layer.context["scale"] = below(x)
+        below, scale, layer = keras.layers.Dense(6), keras.layers.Dense(6), kind(of, **kwargs)
+        layer.context["scale"] = scale(x)
         layer(below(x))
-        weights = layer.trainable_weights + (below.trainable_weights
-                                             if asked == "weights below it too" else [])
+        weights = layer.trainable_weights + (below.trainable_weights + scale.trainable_weights
+                                             if asked == "the weights below it too" else [])
 
         @tf.function
         def step():
             with tf.GradientTape() as tape:
-                h = below(x)
-                layer.context["scale"] = h * 2.0
-                loss = tf.reduce_sum(layer(h) ** 2)
+                layer.context["scale"] = scale(x)
+                loss = tf.reduce_sum(layer(below(x)) ** 2)
             if differentiate == "tf.gradients":
                 return tf.gradients(loss, weights)
             return tape.gradient(loss, weights)
         with msg.checkpointing():
-            return [g.numpy() for g in step()]
+            return [None if g is None else g.numpy() for g in step()]
     if asked == "the layer's weights":
         want = gradients(ReadsWithoutRegisteredGradient)
     else:
@@ -1393,6 +1398,10 @@ def test_an_op_without_registered_gradient_is_taken_as_a_constant(of, asked, dif
     with caplog.at_level(logging.WARNING, logger="memory_saving_gradients"):
         got = gradients(RecomputedReadsWithoutRegisteredGradient)
     assert count_segments
-    assert ("TruncateMod ops inside @recompute_grad layers" in caplog.text) == (of == "input")
+    assert "TruncateMod ops inside @recompute_grad layers" in caplog.text
+    assert not any(f"{name} ops inside" in caplog.text
+                   for name in ("PrintV2", "IsFinite", "Any", "Where", "StringFormat"))
+    assert [g is None for g in got] == [g is None for g in want]
     for a, b in zip(got, want):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+        if b is not None:
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -274,8 +274,8 @@ def _call_as_segment(call: Callable, layer: keras.layers.Layer, args: tuple,
         def gradient(*output_grads, variables: Optional[list] = None):
             output_grads = [None if _filled_in(g, result) else g
                             for g, result in zip(output_grads, boundary)]
-            grads = _recomputed_gradients(graph, outputs, body_ops, sources, variables or [],
-                                          output_grads)
+            grads = _recomputed_gradients(graph, outputs, body_ops, coming_back, sources,
+                                          variables or [], output_grads)
             source_grads = _after_weight_gradients(grads[:len(sources)], grads[len(sources):])
             return (source_grads, grads[len(sources):]) if variables else source_grads
 
@@ -358,7 +358,7 @@ def _reads_a_tape_watches(graph, body_ops: list, trainable_read: list, coming_ba
     tracked = [op for op in body_ops if op.type == "ReadVariableOp"
                and op.outputs[0].dtype.is_floating and id(op.outputs[0]) in coming_back
                and compat.tape_would_record(op.outputs)]
-    if not tracked:  # no tape recording, or one watching the trainable weights only
+    if not tracked:  # no tape recording (an inference or evaluation trace)
         return []
     told = {op for _, ops in _readers_in_body(graph, body_ops, trainable_read) for op in ops}
     return [op.outputs[0] for op in tracked if op not in told]
@@ -368,12 +368,18 @@ def _passes_gradient(op: tf.Operation) -> bool:
     """Whether a gradient at `op`'s outputs can reach its inputs: not a stop
     (`tf.stop_gradient`, tf.gradients' own zeros) unless a
     gradient_override_map gave it another gradient, not registered as not
-    differentiable nor lacking a registered gradient (`_lacks_gradient`), and
-    with an output tapes differentiate (not a comparison or a shape)."""
-    if _stops(op) or _lacks_gradient(op):
+    differentiable, and with an output tapes differentiate (not a comparison
+    or a shape). An op with no gradient registered counts as passing one: a
+    v1 function call has its function's, and any other the segment's
+    gradient takes as a constant, saying so (`_taken_as_constants`), rather
+    than leave out a closure read through it without a word."""
+    if _stops(op):
         return False
-    if not compat.is_function_op(op) and compat.gradient_function(op) is None:
-        return False
+    try:
+        if compat.gradient_function(op) is None:
+            return False
+    except LookupError:
+        pass
     return any(compat.is_trainable(t) for t in op.outputs)
 
 
@@ -388,26 +394,29 @@ def _lacks_gradient(op: tf.Operation) -> bool:
     return False
 
 
-def _taken_as_constants(body_ops: list, reached: set) -> list:
-    """Outputs of the body's ops lacking a gradient (`_lacks_gradient`) that
-    read a tensor depending on a source (ids in `reached`): the segment's
-    gradient stops there, as at `tf.stop_gradient` (said once per op type).
-    The segment differentiates every source, asked for or not: raising there
-    as tf.gradients does would fail a step stock trains, one whose batch
-    alone reaches such an op."""
-    ops = [op for op in body_ops
-           if _lacks_gradient(op) and any(id(t) in reached for t in op.inputs)]
+def _taken_as_constants(body_ops: list, reached: set, coming_back: set) -> list:
+    """Outputs of the body's ops lacking a gradient (`_lacks_gradient`) on a
+    path from a source (an input in `reached`) to the body's outputs (a float
+    output in `coming_back`): the segment's gradient stops there, as at
+    `tf.stop_gradient` (said once per op type). The segment differentiates
+    every source, asked for or not: raising there as tf.gradients does would
+    fail a step stock trains, one whose batch alone reaches such an op."""
+    ops = [op for op in body_ops if _lacks_gradient(op)
+           and any(t.dtype.is_floating and id(t) in coming_back for t in op.outputs)
+           and any(id(t) in reached for t in op.inputs)]
     for op_type in sorted({op.type for op in ops}):
         _log_once(f"{op_type} ops inside @recompute_grad layers have no gradient registered: "
-                  f"the layers' gradients take their outputs as constants (as "
-                  f"tf.stop_gradient would). Where a gradient through one is asked for (a "
-                  f"weight below it), TensorFlow raises LookupError instead: wrap such ops "
-                  f"in tf.stop_gradient to say so, or register a gradient for {op_type}")
+                  f"the layers' gradients stop at them, as at tf.stop_gradient, so a weight or "
+                  f"tensor reaching a layer's outputs only through one gets None, and one "
+                  f"reaching them also otherwise gets that part alone. Stock TensorFlow "
+                  f"raises LookupError where such a gradient is asked for. Register a "
+                  f"gradient for {op_type}, or wrap its output in tf.stop_gradient to say "
+                  f"it is a constant")
     return [t for op in ops for t in op.outputs]
 
 
-def _recomputed_gradients(graph, outputs, body_ops: list, sources: list, variables: list,
-                          output_grads: tuple) -> list:
+def _recomputed_gradients(graph, outputs, body_ops: list, coming_back: set, sources: list,
+                          variables: list, output_grads: tuple) -> list:
     """Gradients of the sources (stand-ins, closures) then variables,
     recomputing the body from them.
 
@@ -418,14 +427,15 @@ def _recomputed_gradients(graph, outputs, body_ops: list, sources: list, variabl
     A variable gets the gradient of its reads inside the body only: reads
     outside it (feeding the inputs, or another call of the same layer) get
     theirs from the tape, and differentiating down to the variable itself
-    would count them a second time.
+    would count them a second time. `coming_back`: the ids of the tensors a
+    gradient at the outputs comes back to (`_gradient_comes_back_from`).
     """
     readers = _readers_in_body(graph, body_ops, variables)
     read_values = [t for _, ops in readers for op in ops for t in op.outputs]
     xs = list(sources) + read_values
     # Outputs that depend on no x (constants, ints) get no gradient through.
     reached = _reached_from(xs, body_ops)
-    stops = list(sources) + _taken_as_constants(body_ops, reached)
+    stops = list(sources) + _taken_as_constants(body_ops, reached, coming_back)
     pairs = [(y, g) for y, g in zip(tf.nest.flatten(outputs), output_grads)
              if id(y) in reached and y.dtype.is_floating and g is not None]
     grads = [None] * len(xs)
