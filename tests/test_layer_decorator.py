@@ -768,6 +768,9 @@ class RecomputedTwoHeads(TwoHeads):
 _READS = {"a": (lambda out: tf.reduce_sum(out["a"] ** 2), True),
           "a, b stopped": (lambda out: tf.reduce_sum(out["a"] ** 2)
                            + tf.reduce_sum(tf.stop_gradient(out["b"])), True),
+          # A reader with no gradient registered, off the loss (a metric).
+          "a, b read by truncatemod": (lambda out: (tf.truncatemod(out["b"], 0.7),
+                                                    tf.reduce_sum(out["a"] ** 2))[1], True),
           # tf.sign's gradient is zeros: a real gradient, not a filled-in one.
           "a, sign of b": (lambda out: tf.reduce_sum(out["a"] ** 2)
                            + tf.reduce_sum(tf.sign(out["b"])), False)}
@@ -1343,7 +1346,10 @@ class ReadsWithoutRegisteredGradient(keras.layers.Layer):
 
     def call(self, x):
         read = x if self.of == "input" else self.context["scale"]
-        mod = tf.truncatemod(read, 0.7)
+        square = tf.eye(6) + 0.1 * tf.tanh(tf.transpose(read) @ read)
+        # tf.linalg.logm: no gradient registered, a complex output.
+        logm = tf.math.real(tf.linalg.logm(tf.complex(square, 0.0)))
+        mod = tf.truncatemod(read, 0.7) + tf.reduce_sum(logm)
         y = tf.tanh(self.dense(x)) * (tf.stop_gradient(mod) if self.taken_as_constant else mod)
         tf.print(tf.reduce_any(tf.math.is_finite(y)), output_stream=sys.stderr)
         return y + tf.reduce_sum(tf.boolean_mask(x, x > 0.0)) + tf.stop_gradient(
@@ -1399,6 +1405,7 @@ def test_an_op_without_registered_gradient_is_taken_as_a_constant(of, asked, dif
         got = gradients(RecomputedReadsWithoutRegisteredGradient)
     assert count_segments
     assert "TruncateMod ops inside @recompute_grad layers" in caplog.text
+    assert "MatrixLogarithm ops inside @recompute_grad layers" in caplog.text
     assert not any(f"{name} ops inside" in caplog.text
                    for name in ("PrintV2", "IsFinite", "Any", "Where", "StringFormat"))
     assert [g is None for g in got] == [g is None for g in want]

@@ -396,22 +396,21 @@ def _lacks_gradient(op: tf.Operation) -> bool:
 
 def _taken_as_constants(body_ops: list, reached: set, coming_back: set) -> list:
     """Outputs of the body's ops lacking a gradient (`_lacks_gradient`) on a
-    path from a source (an input in `reached`) to the body's outputs (a float
-    output in `coming_back`): the segment's gradient stops there, as at
+    path from a source (an input in `reached`) to the body's outputs (a
+    float or complex output in `coming_back`): the segment's gradient stops there, as at
     `tf.stop_gradient` (said once per op type). The segment differentiates
     every source, asked for or not: raising there as tf.gradients does would
     fail a step stock trains, one whose batch alone reaches such an op."""
     ops = [op for op in body_ops if _lacks_gradient(op)
-           and any(t.dtype.is_floating and id(t) in coming_back for t in op.outputs)
+           and any(compat.is_trainable(t) and id(t) in coming_back for t in op.outputs)
            and any(id(t) in reached for t in op.inputs)]
     for op_type in sorted({op.type for op in ops}):
         _log_once(f"{op_type} ops inside @recompute_grad layers have no gradient registered: "
-                  f"the layers' gradients stop at them, as at tf.stop_gradient, so a weight or "
-                  f"tensor reaching a layer's outputs only through one gets None, and one "
-                  f"reaching them also otherwise gets that part alone. Stock TensorFlow "
-                  f"raises LookupError where such a gradient is asked for. Register a "
-                  f"gradient for {op_type}, or wrap its output in tf.stop_gradient to say "
-                  f"it is a constant")
+                  f"the layers' gradients take them as constants, as tf.stop_gradient does. A "
+                  f"weight or tensor whose gradient would pass through one gets None, or the "
+                  f"part not through it, where stock TensorFlow raises LookupError if asked. "
+                  f"Register a gradient for {op_type}, or wrap its output in tf.stop_gradient "
+                  f"to say it is a constant")
     return [t for op in ops for t in op.outputs]
 
 
@@ -496,13 +495,14 @@ def _filled_in(grad, result: tf.Tensor) -> bool:
     still move the weight). Zeros for an output something differentiable
     reads are a real gradient (`tf.sign`'s is zeros): kept, as the
     undecorated layer's zeros. Readers passing no gradient (a comparison,
-    `tf.stop_gradient`) do not count.
+    `tf.stop_gradient`, an op with no gradient registered) do not count.
     Read on the layer's own output: a copy the rewrite outside recomputes
     has the readers it copied. Dropping zeros changes no value.
     """
     if grad is None:
         return True
-    if not isinstance(grad, tf.Tensor) or any(map(_passes_gradient, result.consumers())):
+    if not isinstance(grad, tf.Tensor) or any(
+            _passes_gradient(op) and not _lacks_gradient(op) for op in result.consumers()):
         return False
     op = grad.op
     if op.type == "ZerosLike":
