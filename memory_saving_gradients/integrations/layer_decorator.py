@@ -233,7 +233,9 @@ def _call_as_segment(call: Callable, layer: keras.layers.Layer, args: tuple,
     # ints, None) is packed again below as the body made it.
     outputs = [t for t in tf.nest.flatten(made, expand_composites=True)
                if _is_differentiable_input(t)]
-    coming_back = _gradient_comes_back_from(body_ops, outputs)
+    # Walked only where asked: a body reading no closure and no weight a
+    # tape was told to watch, and holding no op without a gradient, needs none.
+    coming_back = functools.cache(lambda: _gradient_comes_back_from(body_ops, outputs))
     closures = (_closures(graph, body_ops, inputs, outputs, coming_back)
                 + _reads_a_tape_watches(graph, body_ops, read_variables, coming_back))
     unliftable = [t for t in closures if not t.dtype.is_floating]
@@ -328,11 +330,12 @@ def _gradient_comes_back_from(body_ops: list, outputs: list) -> set:
     return graph_walks.tensors_feeding(outputs, through=gradient_passes_back)
 
 
-def _closures(graph, body_ops: list, stand_ins: list, outputs: list, coming_back: set) -> list:
+def _closures(graph, body_ops: list, stand_ins: list, outputs: list,
+              coming_back: Callable) -> list:
     """The tensors the body reads that it neither made nor was given (made
     outside it, or captured from an enclosing graph or eagerly, by the capture
     op, a placeholder or a constant, its first use made) from which a
-    gradient at `outputs` comes back (ids in `coming_back`). One read only
+    gradient at `outputs` comes back (ids in `coming_back()`). One read only
     through `tf.stop_gradient` stays outside the boundary: its maker gets
     None, not zeros."""
     inside, own = set(body_ops), {id(t) for t in stand_ins}
@@ -342,12 +345,13 @@ def _closures(graph, body_ops: list, stand_ins: list, outputs: list, coming_back
     if made_here:  # the graph's captures are listed only then: one list per call
         captured = {id(inner) for _, inner in compat.captured_pairs(graph)}
         outside.update((id(t), t) for op in made_here for t in op.outputs if id(t) in captured)
-    return [t for t in outside.values()
-            if id(t) in coming_back and compat.is_trainable(t)
-            and t.dtype != tf.resource]  # variables go apart
+    candidates = [t for t in outside.values()
+                  if compat.is_trainable(t) and t.dtype != tf.resource]  # variables go apart
+    return [t for t in candidates if id(t) in coming_back()]
 
 
-def _reads_a_tape_watches(graph, body_ops: list, trainable_read: list, coming_back: set) -> list:
+def _reads_a_tape_watches(graph, body_ops: list, trainable_read: list,
+                          coming_back: Callable) -> list:
     """Values the body reads of variables `tf.custom_gradient` is not told
     of (it is told of `trainable_read`) that a recording tape tracks (one
     told to watch a non-trainable weight before the call was traced) and
@@ -356,12 +360,12 @@ def _reads_a_tape_watches(graph, body_ops: list, trainable_read: list, coming_ba
     read. No gradient op is made for weights no tape watches (`tf.gradients`
     of such a handle outside a watching tape still gets None)."""
     tracked = [op for op in body_ops if op.type == "ReadVariableOp"
-               and op.outputs[0].dtype.is_floating and id(op.outputs[0]) in coming_back
-               and compat.tape_would_record(op.outputs)]
+               and op.outputs[0].dtype.is_floating and compat.tape_would_record(op.outputs)]
     if not tracked:  # no tape recording (an inference or evaluation trace)
         return []
     told = {op for _, ops in _readers_in_body(graph, body_ops, trainable_read) for op in ops}
-    return [op.outputs[0] for op in tracked if op not in told]
+    return [op.outputs[0] for op in tracked
+            if op not in told and id(op.outputs[0]) in coming_back()]
 
 
 def _passes_gradient(op: tf.Operation) -> bool:
@@ -394,16 +398,16 @@ def _lacks_gradient(op: tf.Operation) -> bool:
     return False
 
 
-def _taken_as_constants(body_ops: list, reached: set, coming_back: set) -> list:
+def _taken_as_constants(body_ops: list, reached: set, coming_back: Callable) -> list:
     """Outputs of the body's ops lacking a gradient (`_lacks_gradient`) on a
     path from a source (an input in `reached`) to the body's outputs (a
-    float or complex output in `coming_back`): the segment's gradient stops there, as at
+    float or complex output in `coming_back()`): the segment's gradient stops there, as at
     `tf.stop_gradient` (said once per op type). The segment differentiates
     every source, asked for or not: raising there as tf.gradients does would
     fail a step stock trains, one whose batch alone reaches such an op."""
     ops = [op for op in body_ops if _lacks_gradient(op)
-           and any(compat.is_trainable(t) and id(t) in coming_back for t in op.outputs)
-           and any(id(t) in reached for t in op.inputs)]
+           and any(id(t) in reached for t in op.inputs)
+           and any(compat.is_trainable(t) and id(t) in coming_back() for t in op.outputs)]
     for op_type in sorted({op.type for op in ops}):
         _log_once(f"{op_type} ops inside @recompute_grad layers have no gradient registered: "
                   f"the layers' gradients take them as constants, as tf.stop_gradient does. A "
@@ -414,7 +418,7 @@ def _taken_as_constants(body_ops: list, reached: set, coming_back: set) -> list:
     return [t for op in ops for t in op.outputs]
 
 
-def _recomputed_gradients(graph, outputs, body_ops: list, coming_back: set, sources: list,
+def _recomputed_gradients(graph, outputs, body_ops: list, coming_back: Callable, sources: list,
                           variables: list, output_grads: tuple) -> list:
     """Gradients of the sources (stand-ins, closures) then variables,
     recomputing the body from them.
@@ -426,8 +430,8 @@ def _recomputed_gradients(graph, outputs, body_ops: list, coming_back: set, sour
     A variable gets the gradient of its reads inside the body only: reads
     outside it (feeding the inputs, or another call of the same layer) get
     theirs from the tape, and differentiating down to the variable itself
-    would count them a second time. `coming_back`: the ids of the tensors a
-    gradient at the outputs comes back to (`_gradient_comes_back_from`).
+    would count them a second time. `coming_back()`: the ids of the tensors
+    a gradient at the outputs comes back to (`_gradient_comes_back_from`).
     """
     readers = _readers_in_body(graph, body_ops, variables)
     read_values = [t for _, ops in readers for op in ops for t in op.outputs]
