@@ -233,8 +233,9 @@ def _call_as_segment(call: Callable, layer: keras.layers.Layer, args: tuple,
     # ints, None) is packed again below as the body made it.
     outputs = [t for t in tf.nest.flatten(made, expand_composites=True)
                if _is_differentiable_input(t)]
-    # Walked only where asked: a body reading no closure and no weight a
-    # tape was told to watch, and holding no op without a gradient, needs none.
+    # Walked on first use: a body reading no trainable tensor from outside
+    # and no non-trainable weight a tape tracks, whose sources reach no op
+    # without a gradient, never walks.
     coming_back = functools.cache(lambda: _gradient_comes_back_from(body_ops, outputs))
     closures = (_closures(graph, body_ops, inputs, outputs, coming_back)
                 + _reads_a_tape_watches(graph, body_ops, read_variables, coming_back))
@@ -331,7 +332,7 @@ def _gradient_comes_back_from(body_ops: list, outputs: list) -> set:
 
 
 def _closures(graph, body_ops: list, stand_ins: list, outputs: list,
-              coming_back: Callable) -> list:
+              coming_back: Callable[[], set]) -> list:
     """The tensors the body reads that it neither made nor was given (made
     outside it, or captured from an enclosing graph or eagerly, by the capture
     op, a placeholder or a constant, its first use made) from which a
@@ -351,7 +352,7 @@ def _closures(graph, body_ops: list, stand_ins: list, outputs: list,
 
 
 def _reads_a_tape_watches(graph, body_ops: list, trainable_read: list,
-                          coming_back: Callable) -> list:
+                          coming_back: Callable[[], set]) -> list:
     """Values the body reads of variables `tf.custom_gradient` is not told
     of (it is told of `trainable_read`) that a recording tape tracks (one
     told to watch a non-trainable weight before the call was traced) and
@@ -359,13 +360,12 @@ def _reads_a_tape_watches(graph, body_ops: list, trainable_read: list,
     do, and the tape takes their gradient on to the variable through the
     read. No gradient op is made for weights no tape watches (`tf.gradients`
     of such a handle outside a watching tape still gets None)."""
-    tracked = [op for op in body_ops if op.type == "ReadVariableOp"
-               and op.outputs[0].dtype.is_floating and compat.tape_would_record(op.outputs)]
-    if not tracked:  # no tape recording (an inference or evaluation trace)
-        return []
-    told = {op for _, ops in _readers_in_body(graph, body_ops, trainable_read) for op in ops}
-    return [op.outputs[0] for op in tracked
-            if op not in told and id(op.outputs[0]) in coming_back()]
+    told = {id(handle) for handle in (captures.local_tensor(graph, variable.handle)
+                                      for variable in trainable_read) if handle is not None}
+    return [op.outputs[0] for op in body_ops
+            if op.type == "ReadVariableOp" and id(op.inputs[0]) not in told
+            and op.outputs[0].dtype.is_floating and compat.tape_would_record(op.outputs)
+            and id(op.outputs[0]) in coming_back()]
 
 
 def _passes_gradient(op: tf.Operation) -> bool:
@@ -387,6 +387,13 @@ def _passes_gradient(op: tf.Operation) -> bool:
     return any(compat.is_trainable(t) for t in op.outputs)
 
 
+def _passes_registered_gradient(op: tf.Operation) -> bool:
+    """`_passes_gradient`, but not through an op lacking a gradient: what
+    reads a layer output differentiably. (The walk for closures counts such
+    ops as passing, so that a closure read through one is a source.)"""
+    return _passes_gradient(op) and not _lacks_gradient(op)
+
+
 def _lacks_gradient(op: tf.Operation) -> bool:
     """Whether `op`'s type has no gradient registered (`tf.truncatemod`,
     `tf.random.poisson`'s rate), where tf.gradients raises LookupError; a v1
@@ -398,13 +405,15 @@ def _lacks_gradient(op: tf.Operation) -> bool:
     return False
 
 
-def _taken_as_constants(body_ops: list, reached: set, coming_back: Callable) -> list:
-    """Outputs of the body's ops lacking a gradient (`_lacks_gradient`) on a
-    path from a source (an input in `reached`) to the body's outputs (a
-    float or complex output in `coming_back()`): the segment's gradient stops there, as at
-    `tf.stop_gradient` (said once per op type). The segment differentiates
-    every source, asked for or not: raising there as tf.gradients does would
-    fail a step stock trains, one whose batch alone reaches such an op."""
+def _taken_as_constants(body_ops: list, reached: set, coming_back: Callable[[], set]) -> list:
+    """Outputs of the body's ops lacking a gradient (`_lacks_gradient`) that
+    depend on a source (an input in `reached`, through any op, as
+    tf.gradients sees it) and lead to the body's outputs through ops passing
+    gradients (a float or complex output in `coming_back()`): the segment's
+    gradient stops there, as at `tf.stop_gradient` (said once per op type).
+    The segment differentiates every source, asked for or not: raising there
+    as tf.gradients does would fail a step stock trains, one whose batch
+    alone reaches such an op."""
     ops = [op for op in body_ops if _lacks_gradient(op)
            and any(id(t) in reached for t in op.inputs)
            and any(compat.is_trainable(t) and id(t) in coming_back() for t in op.outputs)]
@@ -418,8 +427,8 @@ def _taken_as_constants(body_ops: list, reached: set, coming_back: Callable) -> 
     return [t for op in ops for t in op.outputs]
 
 
-def _recomputed_gradients(graph, outputs, body_ops: list, coming_back: Callable, sources: list,
-                          variables: list, output_grads: tuple) -> list:
+def _recomputed_gradients(graph, outputs, body_ops: list, coming_back: Callable[[], set],
+                          sources: list, variables: list, output_grads: tuple) -> list:
     """Gradients of the sources (stand-ins, closures) then variables,
     recomputing the body from them.
 
@@ -476,8 +485,8 @@ def _recomputed_gradients(graph, outputs, body_ops: list, coming_back: Callable,
                                    for handle, ops in readers]
 
 
-# Readers of an output through which no gradient comes back (tf.gradients'
-# own zeros among them).
+# Op types through which no gradient comes back (tf.gradients' own zeros
+# among them).
 _NO_GRADIENT_READERS = frozenset({"ZerosLike", "StopGradient", "PreventGradient"})
 
 
@@ -505,8 +514,8 @@ def _filled_in(grad, result: tf.Tensor) -> bool:
     """
     if grad is None:
         return True
-    if not isinstance(grad, tf.Tensor) or any(
-            _passes_gradient(op) and not _lacks_gradient(op) for op in result.consumers()):
+    if not isinstance(grad, tf.Tensor) or any(map(_passes_registered_gradient,
+                                                  result.consumers())):
         return False
     op = grad.op
     if op.type == "ZerosLike":

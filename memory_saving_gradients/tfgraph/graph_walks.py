@@ -24,17 +24,19 @@ def ops_reading(tensors: Iterable, within: Optional[set] = None) -> set:
 def tensors_feeding(tensors: Iterable, through: Callable) -> set:
     """ids of `tensors` and of the tensors they are computed from, walking
     from a tensor to its op's inputs only where `through(tensor)` holds.
-    Linear in the tensors reached and their ops' edges.
+    Linear in the tensors reached and their ops' edges: an op's inputs are
+    taken once, however many of its outputs are reached.
 
     Example: for x -> a -> y, tensors_feeding([y], lambda t: True) holds the
     ids of y, a's output and x; with `through=lambda t: t is not y`, only y's.
     """
-    found, todo = set(), list(tensors)
+    found, expanded, todo = set(), set(), list(tensors)
     while todo:
         tensor = todo.pop()
         if id(tensor) in found:
             continue
         found.add(id(tensor))
-        if through(tensor):
+        if tensor.op not in expanded and through(tensor):
+            expanded.add(tensor.op)
             todo.extend(tensor.op.inputs)
     return found
