@@ -38,7 +38,7 @@ from memory_saving_gradients import api
 from memory_saving_gradients.integrations import optimizer_waits
 from memory_saving_gradients.integrations import patching
 from memory_saving_gradients.tfgraph import captures, compat, gradient_linearity, gradient_reads
-from memory_saving_gradients.tfgraph import gradient_waits, graph_walks
+from memory_saving_gradients.tfgraph import gradient_paths, gradient_waits
 from memory_saving_gradients.tfgraph import ledger
 
 logger = logging.getLogger("memory_saving_gradients")
@@ -236,7 +236,8 @@ def _call_as_segment(call: Callable, layer: keras.layers.Layer, args: tuple,
     # Walked on first use: a body reading no trainable tensor from outside
     # and no non-trainable weight a tape tracks, whose sources reach no op
     # without a gradient, never walks.
-    coming_back = functools.cache(lambda: _gradient_comes_back_from(body_ops, outputs))
+    coming_back = functools.cache(
+        lambda: gradient_paths.gradient_comes_back_from(body_ops, outputs))
     closures = (_closures(graph, body_ops, inputs, outputs, coming_back)
                 + _reads_a_tape_watches(graph, body_ops, read_variables, coming_back))
     unliftable = [t for t in closures if not t.dtype.is_floating]
@@ -316,21 +317,6 @@ def _built_body(graph, call: Callable, layer, call_args: tuple, call_kwargs: dic
     return made, graph.get_operations()[first_op:], variables
 
 
-def _gradient_comes_back_from(body_ops: list, outputs: list) -> set:
-    """ids of the tensors from which a gradient at `outputs` comes back
-    through the body: through ops that pass one on (`_passes_gradient`)."""
-    inside, passes = set(body_ops), {}  # op -> _passes_gradient(op), each asked once
-
-    def gradient_passes_back(tensor: tf.Tensor) -> bool:
-        if tensor.op not in inside or not compat.is_trainable(tensor):
-            return False
-        if tensor.op not in passes:
-            passes[tensor.op] = _passes_gradient(tensor.op)
-        return passes[tensor.op]
-
-    return graph_walks.tensors_feeding(outputs, through=gradient_passes_back)
-
-
 def _closures(graph, body_ops: list, stand_ins: list, outputs: list,
               coming_back: Callable[[], set]) -> list:
     """The tensors the body reads that it neither made nor was given (made
@@ -368,53 +354,24 @@ def _reads_a_tape_watches(graph, body_ops: list, trainable_read: list,
             and id(op.outputs[0]) in coming_back()]
 
 
-def _passes_gradient(op: tf.Operation) -> bool:
-    """Whether a gradient at `op`'s outputs can reach its inputs: not a stop
-    (`tf.stop_gradient`, tf.gradients' own zeros) unless a
-    gradient_override_map gave it another gradient, not registered as not
-    differentiable, and with an output tapes differentiate (not a comparison
-    or a shape). An op with no gradient registered counts as passing one: a
-    v1 function call has its function's, and any other the segment's
-    gradient takes as a constant, saying so (`_taken_as_constants`), rather
-    than leave out a closure read through it without a word."""
-    if _stops(op):
-        return False
-    try:
-        if compat.gradient_function(op) is None:
-            return False
-    except LookupError:
-        pass
-    return any(compat.is_trainable(t) for t in op.outputs)
-
-
 def _passes_registered_gradient(op: tf.Operation) -> bool:
-    """`_passes_gradient`, but not through an op lacking a gradient: what
-    reads a layer output differentiably. (The walk for closures counts such
-    ops as passing, so that a closure read through one is a source.)"""
-    return _passes_gradient(op) and not _lacks_gradient(op)
-
-
-def _lacks_gradient(op: tf.Operation) -> bool:
-    """Whether `op`'s type has no gradient registered (`tf.truncatemod`,
-    `tf.random.poisson`'s rate), where tf.gradients raises LookupError; a v1
-    function call has its function's."""
-    try:
-        compat.gradient_function(op)
-    except LookupError:
-        return not compat.is_function_op(op)
-    return False
+    """`gradient_paths.passes_gradient`, but not through an op lacking a
+    gradient: what reads a layer output differentiably. (The walk for
+    closures counts such ops as passing, so that a closure read through one
+    is a source.)"""
+    return gradient_paths.passes_gradient(op) and not gradient_paths.lacks_gradient(op)
 
 
 def _taken_as_constants(body_ops: list, reached: set, coming_back: Callable[[], set]) -> list:
-    """Outputs of the body's ops lacking a gradient (`_lacks_gradient`) that
-    depend on a source (an input in `reached`, through any op, as
-    tf.gradients sees it) and lead to the body's outputs through ops passing
-    gradients (a float or complex output in `coming_back()`): the segment's
-    gradient stops there, as at `tf.stop_gradient` (said once per op type).
-    The segment differentiates every source, asked for or not: raising there
-    as tf.gradients does would fail a step stock trains, one whose batch
-    alone reaches such an op."""
-    ops = [op for op in body_ops if _lacks_gradient(op)
+    """Outputs of the body's ops lacking a gradient
+    (`gradient_paths.lacks_gradient`) that depend on a source (an input in
+    `reached`, through any op, as tf.gradients sees it) and lead to the
+    body's outputs through ops passing gradients (a float or complex output
+    in `coming_back()`): the segment's gradient stops there, as at
+    `tf.stop_gradient` (said once per op type). The segment differentiates
+    every source, asked for or not: raising there as tf.gradients does would
+    fail a step stock trains, one whose batch alone reaches such an op."""
+    ops = [op for op in body_ops if gradient_paths.lacks_gradient(op)
            and any(id(t) in reached for t in op.inputs)
            and any(compat.is_trainable(t) and id(t) in coming_back() for t in op.outputs)]
     for op_type in sorted({op.type for op in ops}):
@@ -440,13 +397,14 @@ def _recomputed_gradients(graph, outputs, body_ops: list, coming_back: Callable[
     outside it (feeding the inputs, or another call of the same layer) get
     theirs from the tape, and differentiating down to the variable itself
     would count them a second time. `coming_back()`: the ids of the tensors
-    a gradient at the outputs comes back to (`_gradient_comes_back_from`).
+    a gradient at the outputs comes back to
+    (`gradient_paths.gradient_comes_back_from`).
     """
     readers = _readers_in_body(graph, body_ops, variables)
     read_values = [t for _, ops in readers for op in ops for t in op.outputs]
     xs = list(sources) + read_values
     # Outputs that depend on no x (constants, ints) get no gradient through.
-    reached = _reached_from(xs, body_ops)
+    reached = gradient_paths.reached_from(xs, body_ops)
     stops = list(sources) + _taken_as_constants(body_ops, reached, coming_back)
     pairs = [(y, g) for y, g in zip(tf.nest.flatten(outputs), output_grads)
              if id(y) in reached and y.dtype.is_floating and g is not None]
@@ -483,17 +441,6 @@ def _recomputed_gradients(graph, outputs, body_ops: list, coming_back: Callable[
     grad_of = dict(zip(map(id, read_values), grads[len(sources):]))
     return grads[:len(sources)] + [_variable_gradient(handle, ops, grad_of)
                                    for handle, ops in readers]
-
-
-# Op types through which no gradient comes back (tf.gradients' own zeros
-# among them).
-_NO_GRADIENT_READERS = frozenset({"ZerosLike", "StopGradient", "PreventGradient"})
-
-
-def _stops(op: tf.Operation) -> bool:
-    """Whether `op` stops gradients (`tf.stop_gradient`) and no
-    gradient_override_map gave it a gradient."""
-    return op.type in _NO_GRADIENT_READERS and not compat.gradient_overridden(op)
 
 
 def _filled_in(grad, result: tf.Tensor) -> bool:
@@ -555,12 +502,6 @@ def _wait(gradient, layer_gate):
         return tf.IndexedSlices(gradient_waits.wait_for_gate(gradient.values, layer_gate),
                                 gradient.indices, gradient.dense_shape)
     return gradient_waits.wait_for_gate(gradient, layer_gate)
-
-
-def _reached_from(sources: list, body_ops: list) -> set:
-    """ids of the sources and of the outputs of body ops depending on one (O(body))."""
-    reached = graph_walks.ops_reading(sources, within=set(body_ops))
-    return {id(t) for t in sources} | {id(t) for op in reached for t in op.outputs}
 
 
 def _readers_in_body(graph, body_ops: list, variables: list) -> list:
