@@ -66,3 +66,15 @@ def reached_from(sources: list, ops: list) -> set:
     through any op, as tf.gradients sees it (O(len(ops)))."""
     reached = graph_walks.ops_reading(sources, within=set(ops))
     return {id(t) for t in sources} | {id(t) for op in reached for t in op.outputs}
+
+
+def is_function_call(op: tf.Operation) -> bool:
+    """True for ops tf.gradients differentiates even at stop_gradients.
+
+    tf.gradients (gradients_util._GradientsHelper) gives every function call
+    (PartitionedCall, StatefulPartitionedCall, a graph function called by its
+    name) a gradient even when its outputs are in stop_gradients: a
+    SymbolicGradient op instead of the call's registered gradient.
+    """
+    return (op.type in ("PartitionedCall", "StatefulPartitionedCall")
+            or compat.is_function_op(op))

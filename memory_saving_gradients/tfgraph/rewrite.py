@@ -36,6 +36,7 @@ from memory_saving_gradients.tfgraph import compat
 from memory_saving_gradients.tfgraph import constant_push_down
 from memory_saving_gradients.tfgraph import copying
 from memory_saving_gradients.tfgraph import gradient_order
+from memory_saving_gradients.tfgraph import gradient_paths
 from memory_saving_gradients.tfgraph import gradient_waits
 from memory_saving_gradients.tfgraph import leaf_order
 from memory_saving_gradients.tfgraph import ledger
@@ -127,18 +128,6 @@ def _backprop(reading, plan, ys, xs, grad_ys, stop_gradients, tf_kwargs, unconne
     return run.results(unconnected)
 
 
-def _is_function_call(op: tf.Operation) -> bool:
-    """True for ops tf.gradients differentiates even at stop_gradients.
-
-    tf.gradients (gradients_util._GradientsHelper) gives every function call
-    (PartitionedCall, StatefulPartitionedCall, a graph function called by its
-    name) a gradient even when its outputs are in stop_gradients: a
-    SymbolicGradient op instead of the call's registered gradient.
-    """
-    return (op.type in ("PartitionedCall", "StatefulPartitionedCall")
-            or compat.is_function_op(op))
-
-
 def _backprop_ops(made: list) -> list:
     """The ops of `made` (what one tf.gradients call created, in order) that
     run in backprop. The others feed ops made before the call: a While
@@ -170,7 +159,7 @@ def _seeds_stop_at_targets(targets, seeds, stops) -> bool:
     its checkpoints) and no function call's (differentiated at a stop)."""
     stop_names = {t.name for t in stops}
     return all(t.name in stop_names and t.dtype.is_floating and s is not None
-               and not _is_function_call(t.op) for t, s in zip(targets, seeds))
+               and not gradient_paths.is_function_call(t.op) for t, s in zip(targets, seeds))
 
 
 def _seeds_at(sources, targets, seeds) -> list:
@@ -315,7 +304,7 @@ class _Backprop:
         `passed_on`: sources tf.gradients also sends their part on from (the
         first call's xs that are not stops), recorded as sent.
         Returns the gradients it made (those that are not None)."""
-        calls = {t.op for t in stops + self._stops if _is_function_call(t.op)}
+        calls = {t.op for t in stops + self._stops if gradient_paths.is_function_call(t.op)}
         # A call at a stop is differentiated anyway, by SymbolicGradient, which
         # fails at run time on a function holding a loop; left out of our
         # stops it gets its registered gradient. The user's stops stay as given.
@@ -391,6 +380,6 @@ class _Backprop:
             if name in read or not self._boundary.holds(name):
                 continue
             read[name] = tensor = self._graph.get_tensor_by_name(name)
-            if _is_function_call(tensor.op):
+            if gradient_paths.is_function_call(tensor.op):
                 names.extend(self._reading.op_inputs.get(tensor.op.name, ()))
         return list(read.values())
