@@ -1333,15 +1333,31 @@ def test_a_watched_non_trainable_weight_read_inside_gets_its_gradient(asked, cou
             np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6)
 
 
+# Where a layer runs `f(t)`: in its own graph, or inside a function
+# TensorFlow differentiates from inside.
+_HOLDERS = {
+    "nothing": lambda f, t: f(t),
+    "a cond": lambda f, t: tf.cond(tf.reduce_sum(t) > -1e9, lambda: f(t), lambda: t),
+    "a loop": lambda f, t: tf.while_loop(lambda i, v: i < 2, lambda i, v: (i + 1, f(v)),
+                                         (0, t))[1],
+    # The loop's results read no further still make TensorFlow raise in it.
+    "a loop, in a variable read no further": lambda f, t: tf.while_loop(
+        lambda i, u, v: i < 2, lambda i, u, v: (i + 1, f(u), tf.tanh(v)), (0, t, t))[2],
+    "map_fn": tf.map_fn,
+    "a nested tf.function": lambda f, t: tf.function(f)(t),
+}
+
+
 class ReadsWithoutRegisteredGradient(keras.layers.Layer):
     """Multiplies a Dense by `tf.truncatemod` (no gradient registered) of what
-    it reads: its input, or a tensor another layer set (a closure). Ops on
-    no float path to the output (a print, a mask's indices, a stopped op
-    without a gradient) are never differentiated and stay unmentioned."""
+    it reads, run in the holder `held_by` names: its input, or a tensor
+    another layer set (a closure). Ops on no float path to the output (a
+    print, a mask's indices, a stopped op without a gradient) are never
+    differentiated and stay unmentioned."""
 
-    def __init__(self, of, taken_as_constant=False, **kwargs):
+    def __init__(self, of, held_by="nothing", taken_as_constant=False, **kwargs):
         super().__init__(**kwargs)
-        self.of, self.taken_as_constant = of, taken_as_constant
+        self.of, self.held_by, self.taken_as_constant = of, held_by, taken_as_constant
         self.dense, self.context = keras.layers.Dense(6), {}
 
     def call(self, x):
@@ -1349,7 +1365,8 @@ class ReadsWithoutRegisteredGradient(keras.layers.Layer):
         square = tf.eye(6) + 0.1 * tf.tanh(tf.transpose(read) @ read)
         # tf.linalg.logm: no gradient registered, a complex output.
         logm = tf.math.real(tf.linalg.logm(tf.complex(square, 0.0)))
-        mod = tf.truncatemod(read, 0.7) + tf.reduce_sum(logm)
+        mod = (_HOLDERS[self.held_by](lambda t: tf.truncatemod(t, 0.7), read)
+               + tf.reduce_sum(logm))
         y = tf.tanh(self.dense(x)) * (tf.stop_gradient(mod) if self.taken_as_constant else mod)
         tf.print(tf.reduce_any(tf.math.is_finite(y)), output_stream=sys.stderr)
         positive = tf.abs(x) + 1.0
@@ -1366,20 +1383,25 @@ class RecomputedReadsWithoutRegisteredGradient(ReadsWithoutRegisteredGradient):
 @pytest.mark.parametrize("of", ["input", "closure"])
 @pytest.mark.parametrize("asked", ["the layer's weights", "the weights below it too"])
 @pytest.mark.parametrize("differentiate", ["tape", "tf.gradients"])
+@pytest.mark.parametrize("held_by", sorted(_HOLDERS))
 def test_an_op_without_registered_gradient_is_taken_as_a_constant(of, asked, differentiate,
-                                                                   caplog, monkeypatch,
+                                                                   held_by, caplog,
+                                                                   monkeypatch,
                                                                    count_segments):
     # The segment differentiates all its sources, asked for or not: it raised
     # LookupError where a step's batch alone reached tf.truncatemod, which
     # stock trains. It now stops there, as tf.stop_gradient does, and says so
     # (a closure's maker reached only through it gets None and the warning;
     # review: without it, silently). Ops no gradient passes say nothing.
+    # Inside a cond, loop or nested function, TensorFlow differentiates from
+    # inside (it raised there until session 63): the holder is the constant.
     monkeypatch.setattr(layer_decorator, "_logged", set())
     x = tf.constant(np.random.default_rng(0).normal(size=(8, 6)), tf.float32)
 
     def gradients(kind, **kwargs):
         keras.utils.set_random_seed(0)
-        below, scale, layer = keras.layers.Dense(6), keras.layers.Dense(6), kind(of, **kwargs)
+        below, scale = keras.layers.Dense(6), keras.layers.Dense(6)
+        layer = kind(of, held_by, **kwargs)
         layer.context["scale"] = scale(x)
         layer(below(x))
         weights = layer.trainable_weights + (below.trainable_weights + scale.trainable_weights
@@ -1406,6 +1428,13 @@ def test_an_op_without_registered_gradient_is_taken_as_a_constant(of, asked, dif
         got = gradients(RecomputedReadsWithoutRegisteredGradient)
     assert count_segments
     assert "TruncateMod ops inside @recompute_grad layers" in caplog.text
+    holder = {"nothing": "them", "a cond": "the StatelessIf ops holding them",
+              "a loop": "the StatelessWhile ops holding them",
+              "a loop, in a variable read no further": "the StatelessWhile ops holding them",
+              "map_fn": "the StatelessWhile ops holding them",
+              "a nested tf.function": "the PartitionedCall ops holding them"}[held_by]
+    assert f"TruncateMod ops inside @recompute_grad layers have no gradient registered: the " \
+           f"layers' gradients take {holder}" in caplog.text
     assert "MatrixLogarithm ops inside @recompute_grad layers" in caplog.text
     assert not any(f"{name} ops inside" in caplog.text
                    for name in ("RandomGammaGrad", "PrintV2", "IsFinite", "Any", "Where",

@@ -363,24 +363,30 @@ def _passes_registered_gradient(op: tf.Operation) -> bool:
 
 
 def _taken_as_constants(body_ops: list, reached: set, coming_back: Callable[[], set]) -> list:
-    """Outputs of the body's ops lacking a gradient
-    (`gradient_paths.lacks_gradient`) that depend on a source (an input in
+    """Outputs of the body's ops where a gradient would meet an op without
+    one (`gradient_paths.gradient_missing_at`: the op itself, or a cond,
+    loop or function call holding it) that depend on a source (an input in
     `reached`, through any op, as tf.gradients sees it) and lead to the
     body's outputs through ops passing gradients (a float or complex output
     in `coming_back()`): the segment's gradient stops there, as at
     `tf.stop_gradient` (said once per op type). The segment differentiates
     every source, asked for or not: raising there as tf.gradients does would
     fail a step stock trains, one whose batch alone reaches such an op."""
-    ops = [op for op in body_ops if gradient_paths.lacks_gradient(op)
-           and any(id(t) in reached for t in op.inputs)
-           and any(compat.is_trainable(t) and id(t) in coming_back() for t in op.outputs)]
-    for op_type in sorted({op.type for op in ops}):
+    maybe = [op for op in body_ops
+             if gradient_paths.lacks_gradient(op) or gradient_paths.holds_functions(op)]
+    missing = {op: gradient_paths.gradient_missing_at(op) for op in maybe
+               if any(id(t) in reached for t in op.inputs)
+               and any(compat.is_trainable(t) and id(t) in coming_back() for t in op.outputs)}
+    ops = [op for op, op_type in missing.items() if op_type is not None]
+    for holder, op_type in sorted({(op.type, missing[op]) for op in ops}):
+        taken = ("them" if holder == op_type else
+                 f"the {holder} ops holding them (a cond, loop or function call) whole")
         _log_once(f"{op_type} ops inside @recompute_grad layers have no gradient registered: "
-                  f"the layers' gradients take them as constants, as tf.stop_gradient does. A "
-                  f"weight or tensor whose gradient would pass through one gets None, or the "
-                  f"part not through it, where stock TensorFlow raises LookupError if asked. "
-                  f"Register a gradient for {op_type}, or wrap its output in tf.stop_gradient "
-                  f"to say it is a constant")
+                  f"the layers' gradients take {taken} as constants, as tf.stop_gradient "
+                  f"does. A weight or tensor whose gradient would pass through one gets None, "
+                  f"or the part not through it, where stock TensorFlow raises LookupError if "
+                  f"asked. Register a gradient for {op_type}, or wrap its output in "
+                  f"tf.stop_gradient to say it is a constant")
     return [t for op in ops for t in op.outputs]
 
 
@@ -405,7 +411,24 @@ def _recomputed_gradients(graph, outputs, body_ops: list, coming_back: Callable[
     xs = list(sources) + read_values
     # Outputs that depend on no x (constants, ints) get no gradient through.
     reached = gradient_paths.reached_from(xs, body_ops)
-    stops = list(sources) + _taken_as_constants(body_ops, reached, coming_back)
+    constants = _taken_as_constants(body_ops, reached, coming_back)
+    # A function call among them is differentiated even at a stop (by
+    # SymbolicGradient, failing at run time): it is given no gradient instead.
+    calls = list({t.op for t in constants if gradient_paths.is_function_call(t.op)})
+    stops = list(sources) + [t for t in constants if t.op not in calls]
+    with compat.gradients_overridden(calls, gradient_paths.NO_GRADIENT):
+        grads = _source_and_read_gradients(graph, outputs, body_ops, reached, xs, stops,
+                                           output_grads)
+    grad_of = dict(zip(map(id, read_values), grads[len(sources):]))
+    return grads[:len(sources)] + [_variable_gradient(handle, ops, grad_of)
+                                   for handle, ops in readers]
+
+
+def _source_and_read_gradients(graph, outputs, body_ops: list, reached: set, xs: list,
+                               stops: list, output_grads: tuple) -> list:
+    """The gradients of `xs` from the body's `outputs` given `output_grads`,
+    stopping at `stops`: by our rewrite, or by TensorFlow where that cannot
+    run (below)."""
     pairs = [(y, g) for y, g in zip(tf.nest.flatten(outputs), output_grads)
              if id(y) in reached and y.dtype.is_floating and g is not None]
     grads = [None] * len(xs)
@@ -438,9 +461,7 @@ def _recomputed_gradients(graph, outputs, body_ops: list, coming_back: Callable[
         body = set(body_ops)
         grads = api.gradients_in_region(ys, xs, grad_ys, [y for y in ys if y.op in body], body,
                                         stop_gradients=stops)
-    grad_of = dict(zip(map(id, read_values), grads[len(sources):]))
-    return grads[:len(sources)] + [_variable_gradient(handle, ops, grad_of)
-                                   for handle, ops in readers]
+    return grads
 
 
 def _filled_in(grad, result: tf.Tensor) -> bool:

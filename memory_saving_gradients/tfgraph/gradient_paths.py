@@ -6,6 +6,15 @@ import tensorflow as tf
 
 from memory_saving_gradients.tfgraph import compat, graph_walks
 
+_CALLS = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
+_LOOPS = frozenset({"While", "StatelessWhile"})
+_CONDS = frozenset({"If", "StatelessIf"})
+
+# The gradient given an op taken as a constant where stop_gradients cannot
+# say so: tf.gradients differentiates a function call at a stop anyway
+# (`is_function_call`).
+NO_GRADIENT = "MemorySavingGradientsNone"
+
 # Op types through which no gradient comes back (tf.gradients' own zeros
 # among them).
 _NO_GRADIENT_READERS = frozenset({"ZerosLike", "StopGradient", "PreventGradient"})
@@ -37,13 +46,56 @@ def passes_gradient(op: tf.Operation) -> bool:
 
 def lacks_gradient(op: tf.Operation) -> bool:
     """Whether `op`'s type has no gradient registered (`tf.truncatemod`,
-    `tf.random.poisson`'s rate), where tf.gradients raises LookupError; a v1
+    `tf.random.poisson`'s rate), where tf.gradients raises LookupError; a
     function call has its function's."""
     try:
         compat.gradient_function(op)
     except LookupError:
-        return not compat.is_function_op(op)
+        return not is_function_call(op)
     return False
+
+
+def gradient_missing_at(op: tf.Operation):
+    """The type of the op without a registered gradient that differentiating
+    `op` would meet: `op`'s own (`lacks_gradient`), or for a cond, a loop or
+    a function call, that of one inside its branches, body or function (at
+    any depth) on a path from an argument to a result through ops passing
+    gradients; None if there is none. TensorFlow differentiates such ops
+    from inside, for all their trainable arguments and results (a loop
+    variable nothing reads after the loop too), and raises there. Reads
+    functions only for such ops."""
+    if lacks_gradient(op):
+        return op.type
+    if not holds_functions(op):
+        return None
+    for function in _functions_differentiated(op):
+        ops = function.get_operations()
+        reached = reached_from([t for t in function.inputs if compat.is_trainable(t)], ops)
+        results = [t for t in function.outputs if compat.is_trainable(t)]
+        coming_back = gradient_comes_back_from(ops, results) if results else set()
+        for inner in ops:
+            if (any(id(t) in reached for t in inner.inputs)
+                    and any(id(t) in coming_back for t in inner.outputs)):
+                missing = gradient_missing_at(inner)
+                if missing is not None:
+                    return missing
+    return None
+
+
+def holds_functions(op: tf.Operation) -> bool:
+    """Whether `op` is a v2 cond, loop or function call, differentiated
+    through the functions it runs."""
+    return op.type in _CALLS | _LOOPS | _CONDS
+
+
+def _functions_differentiated(op: tf.Operation) -> list:
+    """The function graphs differentiating `op` differentiates: a loop's
+    body, a cond's branches, a call's function ([] where not found)."""
+    if op.type in _LOOPS:
+        body = compat.traced_function_graph(op, "body")
+        return [body if body is not None
+                else compat.while_function_graph(op, op.get_attr("body").name)]
+    return list(compat.called_function_graphs(op)[0])
 
 
 def gradient_comes_back_from(ops: list, outputs: list) -> set:
@@ -76,5 +128,9 @@ def is_function_call(op: tf.Operation) -> bool:
     name) a gradient even when its outputs are in stop_gradients: a
     SymbolicGradient op instead of the call's registered gradient.
     """
-    return (op.type in ("PartitionedCall", "StatefulPartitionedCall")
-            or compat.is_function_op(op))
+    return op.type in _CALLS or compat.is_function_op(op)
+
+
+@tf.RegisterGradient(NO_GRADIENT)
+def _no_gradient(op, *unused_grads):
+    return [None] * len(op.inputs)
