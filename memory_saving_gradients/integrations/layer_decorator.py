@@ -346,8 +346,7 @@ def _reads_a_tape_watches(graph, body_ops: list, trainable_read: list,
     do, and the tape takes their gradient on to the variable through the
     read. No gradient op is made for weights no tape watches (`tf.gradients`
     of such a handle outside a watching tape still gets None)."""
-    told = {id(handle) for handle in (captures.local_tensor(graph, variable.handle)
-                                      for variable in trainable_read) if handle is not None}
+    told = {id(handle) for handle in _local_handles(graph, trainable_read)}
     return [op.outputs[0] for op in body_ops
             if op.type == "ReadVariableOp" and id(op.inputs[0]) not in told
             and op.outputs[0].dtype.is_floating and compat.tape_would_record(op.outputs)
@@ -528,13 +527,18 @@ def _wait(gradient, layer_gate):
 def _readers_in_body(graph, body_ops: list, variables: list) -> list:
     """(handle in the body's graph, the body's ops reading it) per variable,
     in one pass over the body."""
-    handles = [captures.local_tensor(graph, variable.handle) for variable in variables]
+    handles = _local_handles(graph, variables)
     reading = {id(handle): [] for handle in handles if handle is not None}
     for op in body_ops:
         if op.outputs:
             for key in reading.keys() & {id(t) for t in op.inputs}:
                 reading[key].append(op)
     return [(handle, reading[id(handle)] if handle is not None else []) for handle in handles]
+
+
+def _local_handles(graph, variables: list) -> list:
+    """Each variable's handle as `graph` reads it (None where it does not)."""
+    return [captures.local_tensor(graph, variable.handle) for variable in variables]
 
 
 def _variable_gradient(handle, readers: list, grad_of: dict):
