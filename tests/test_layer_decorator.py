@@ -1344,6 +1344,8 @@ _HOLDERS = {
     "a loop, in a variable read no further": lambda f, t: tf.while_loop(
         lambda i, u, v: i < 2, lambda i, u, v: (i + 1, f(u), tf.tanh(v)), (0, t, t))[2],
     "map_fn": tf.map_fn,
+    "a switch_case": lambda f, t: tf.switch_case(
+        tf.cast(tf.reduce_sum(t) > -1e9, tf.int32), [lambda: t, lambda: f(t)]),
     "a nested tf.function": lambda f, t: tf.function(f)(t),
 }
 
@@ -1432,6 +1434,7 @@ def test_an_op_without_registered_gradient_is_taken_as_a_constant(of, asked, dif
               "a loop": "the StatelessWhile ops holding them",
               "a loop, in a variable read no further": "the StatelessWhile ops holding them",
               "map_fn": "the StatelessWhile ops holding them",
+              "a switch_case": "the StatelessCase ops holding them",
               "a nested tf.function": "the PartitionedCall ops holding them"}[held_by]
     assert f"TruncateMod ops inside @recompute_grad layers have no gradient registered: the " \
            f"layers' gradients take {holder}" in caplog.text
@@ -1443,3 +1446,122 @@ def test_an_op_without_registered_gradient_is_taken_as_a_constant(of, asked, dif
     for a, b in zip(got, want):
         if b is not None:
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@tf.custom_gradient
+def _times_three_in_backprop(t):
+    # Its forward reads tf.truncatemod; its gradient never reaches it.
+    return t + 0.0 * tf.truncatemod(t, 0.7), lambda dy: 3.0 * dy
+
+
+# A path through an op without a gradient that no gradient reaches, beside
+# one it does.
+_UNREACHED_BY_GRADIENT = {
+    "tf.floor": lambda t: tf.floor(tf.truncatemod(t, 0.7)) + tf.tanh(t),
+    "a tf.custom_gradient": lambda t: _times_three_in_backprop(t) * tf.tanh(t),
+}
+
+
+class HoldsUnreachedOpWithoutGradient(keras.layers.Layer):
+    """A Dense, then `path` run in the holder `held_by` names; with
+    `kernel_inside`, a second Dense's kernel is read in a cond beside
+    tf.truncatemod of the input."""
+
+    def __init__(self, held_by, path="tf.floor", kernel_inside=False, **kwargs):
+        super().__init__(**kwargs)
+        self.held_by, self.unreached, self.kernel_inside = held_by, path, kernel_inside
+        self.dense, self.inner = keras.layers.Dense(6), keras.layers.Dense(6)
+
+    def build(self, input_shape):
+        self.dense.build(input_shape)
+        self.inner.build(input_shape)
+
+    def call(self, x):
+        if self.kernel_inside:
+            kernel = self.inner.kernel
+            return tf.cond(tf.reduce_sum(x) > -1e9,
+                           lambda: tf.truncatemod(x, 0.7) * (x @ kernel),
+                           lambda: x @ kernel) + self.dense(x)
+        return _HOLDERS[self.held_by](_UNREACHED_BY_GRADIENT[self.unreached], self.dense(x))
+
+
+class RecomputedHoldsUnreachedOpWithoutGradient(HoldsUnreachedOpWithoutGradient):
+    @recompute_grad
+    def call(self, x):
+        return super().call(x)
+
+
+def _layer_and_below_gradients(kind, asked, differentiate, **kwargs):
+    """The gradients of `asked(layer, below)`'s weights in a checkpointed
+    tf.function step (None where none), or the exception it raised."""
+    x = tf.constant(np.random.default_rng(0).normal(size=(8, 6)), tf.float32)
+    keras.utils.set_random_seed(0)
+    below, layer = keras.layers.Dense(6), kind(**kwargs)
+    layer(below(x))
+    weights = asked(layer, below)
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(layer(below(x)) ** 2)
+        if differentiate == "tf.gradients":
+            return tf.gradients(loss, weights)
+        return tape.gradient(loss, weights)
+    with msg.checkpointing():
+        try:
+            return [None if g is None else g.numpy() for g in step()]
+        except Exception as error:  # pylint: disable=broad-except
+            return error
+
+
+@pytest.mark.parametrize("held_by", ["a cond", "a loop", "map_fn", "a nested tf.function"])
+@pytest.mark.parametrize("path", sorted(_UNREACHED_BY_GRADIENT))
+@pytest.mark.parametrize("differentiate", ["tape", "tf.gradients"])
+def test_a_holder_whose_op_without_gradient_no_gradient_reaches_is_differentiated(
+        held_by, path, differentiate, caplog, monkeypatch, count_segments):
+    # Review (session 63): the holder was taken as a constant whenever an op
+    # without a gradient sat on a path inside it, though tf.floor's gradient
+    # (None) or a custom gradient kept TensorFlow from ever reaching it: every
+    # weight below got None where stock trains. Only the inputs a gradient
+    # passes to now count (gradient_reads' ungraded ones do not).
+    monkeypatch.setattr(layer_decorator, "_logged", set())
+
+    def everything(layer, below):
+        return layer.dense.trainable_weights + below.trainable_weights
+    want = _layer_and_below_gradients(HoldsUnreachedOpWithoutGradient, everything,
+                                      differentiate, held_by=held_by, path=path)
+    with caplog.at_level(logging.WARNING, logger="memory_saving_gradients"):
+        got = _layer_and_below_gradients(RecomputedHoldsUnreachedOpWithoutGradient,
+                                         everything, differentiate, held_by=held_by, path=path)
+    assert count_segments
+    assert "TruncateMod ops inside" not in caplog.text
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("differentiate", ["tape", "tf.gradients"])
+def test_a_weight_read_in_a_holder_taken_as_a_constant_gets_none(differentiate,
+                                                                  count_segments):
+    # Review (session 63): a kernel read in a cond that is taken as a
+    # constant raised LookupError (its gradient was sought through the cond)
+    # where stock, not asked for that kernel, trains. Asked for it, stock
+    # raises and the decorated layer gives None, as the warning says.
+    def outer(layer, below):  # below's would make stock differentiate the cond
+        return layer.dense.trainable_weights
+
+    def inner(layer, below):
+        return [layer.inner.kernel]
+    want = _layer_and_below_gradients(HoldsUnreachedOpWithoutGradient, outer, differentiate,
+                                      held_by=None, kernel_inside=True)
+    got = _layer_and_below_gradients(RecomputedHoldsUnreachedOpWithoutGradient, outer,
+                                     differentiate, held_by=None, kernel_inside=True)
+    assert count_segments
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    # Stock: a LookupError (autograph's StagingError around it).
+    assert "No gradient defined for operation" in str(_layer_and_below_gradients(
+        HoldsUnreachedOpWithoutGradient, inner, differentiate, held_by=None,
+        kernel_inside=True))
+    assert _layer_and_below_gradients(RecomputedHoldsUnreachedOpWithoutGradient, inner,
+                                      differentiate, held_by=None,
+                                      kernel_inside=True) == [None]

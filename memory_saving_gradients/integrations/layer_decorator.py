@@ -406,11 +406,17 @@ def _recomputed_gradients(graph, outputs, body_ops: list, coming_back: Callable[
     (`gradient_paths.gradient_comes_back_from`).
     """
     readers = _readers_in_body(graph, body_ops, variables)
+    # Outputs that depend on no x (constants, ints) get no gradient through.
+    reached = gradient_paths.reached_from(
+        list(sources) + [t for _, ops in readers for op in ops for t in op.outputs], body_ops)
+    constants = _taken_as_constants(body_ops, reached, coming_back)
+    # A variable read by one of them (a kernel a cond taken as a constant
+    # reads) gets no gradient through that read: stock, not asked for the
+    # variable, never differentiates the cond.
+    taken = {t.op for t in constants}
+    readers = [(handle, [op for op in ops if op not in taken]) for handle, ops in readers]
     read_values = [t for _, ops in readers for op in ops for t in op.outputs]
     xs = list(sources) + read_values
-    # Outputs that depend on no x (constants, ints) get no gradient through.
-    reached = gradient_paths.reached_from(xs, body_ops)
-    constants = _taken_as_constants(body_ops, reached, coming_back)
     # A function call among them is differentiated even at a stop (by
     # SymbolicGradient, failing at run time): it is given no gradient instead.
     calls = list({t.op for t in constants if gradient_paths.is_function_call(t.op)})

@@ -356,13 +356,17 @@ def compiled_call(op: tf.Operation) -> bool:
 def called_function_graphs(op: tf.Operation) -> tuple:
     """(FuncGraphs of the functions `op` runs, the inputs of `op` their
     arguments are): a (Stateful)PartitionedCall's function, or an If's two
-    branches (their arguments: its inputs after the predicate), imported
-    with the shapes of those inputs; ((), ()) for other ops or functions not
-    found in `op`'s graph or one it is built in."""
+    branches or a Case's (their arguments: its inputs after the predicate
+    or branch index), imported with the shapes of those inputs; ((), ())
+    for other ops or functions not found in `op`'s graph or one it is built
+    in."""
     if op.type in ("PartitionedCall", "StatefulPartitionedCall"):
         names, arguments = [op.get_attr("f").name], list(op.inputs)
     elif op.type in ("If", "StatelessIf"):
         names = [op.get_attr(branch).name for branch in ("then_branch", "else_branch")]
+        arguments = list(op.inputs[1:])
+    elif op.type in ("Case", "StatelessCase"):
+        names = [branch.name for branch in op.get_attr("branches")]
         arguments = list(op.inputs[1:])
     else:
         return (), ()
@@ -494,9 +498,12 @@ def gradients_overridden(ops: list, gradient_name: str):
     for each of `ops`; their own gradients again after.
 
     A tf.function call op carries its gradient as a Python attribute, which
-    tf.gradients prefers to the registered one: it is set aside meanwhile.
+    tf.gradients prefers to the registered one: it is set aside meanwhile,
+    as is a gradient_override_map's name on the op.
     """
-    own = {op: op._gradient_function for op in ops}  # pylint: disable=protected-access
+    own = {op: (op._gradient_function,  # pylint: disable=protected-access
+                op.node_def.attr["_gradient_op_type"].s.decode()
+                if gradient_overridden(op) else None) for op in ops}
     for op in ops:
         set_gradient_override(op, gradient_name)
         op._gradient_function = None  # pylint: disable=protected-access
@@ -504,8 +511,9 @@ def gradients_overridden(ops: list, gradient_name: str):
         yield
     finally:
         for op in ops:
-            set_gradient_override(op, None)
-            op._gradient_function = own[op]  # pylint: disable=protected-access
+            function, name = own[op]
+            set_gradient_override(op, name)
+            op._gradient_function = function  # pylint: disable=protected-access
 
 
 def empty_attr_value() -> attr_value_pb2.AttrValue:

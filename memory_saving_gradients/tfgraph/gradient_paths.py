@@ -4,11 +4,11 @@ any gradient."""
 
 import tensorflow as tf
 
-from memory_saving_gradients.tfgraph import compat, graph_walks
+from memory_saving_gradients.tfgraph import compat, gradient_reads, graph_walks, op_kinds
 
 _CALLS = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
 _LOOPS = frozenset({"While", "StatelessWhile"})
-_CONDS = frozenset({"If", "StatelessIf"})
+_CONDS = frozenset({"If", "StatelessIf", "Case", "StatelessCase"})
 
 # The gradient given an op taken as a constant where stop_gradients cannot
 # say so: tf.gradients differentiates a function call at a stop anyway
@@ -72,7 +72,7 @@ def gradient_missing_at(op: tf.Operation):
         ops = function.get_operations()
         reached = reached_from([t for t in function.inputs if compat.is_trainable(t)], ops)
         results = [t for t in function.outputs if compat.is_trainable(t)]
-        coming_back = gradient_comes_back_from(ops, results) if results else set()
+        coming_back = _given_gradient(ops, results)
         for inner in ops:
             if (any(id(t) in reached for t in inner.inputs)
                     and any(id(t) in coming_back for t in inner.outputs)):
@@ -90,12 +90,46 @@ def holds_functions(op: tf.Operation) -> bool:
 
 def _functions_differentiated(op: tf.Operation) -> list:
     """The function graphs differentiating `op` differentiates: a loop's
-    body, a cond's branches, a call's function ([] where not found)."""
+    body, a cond's or switch_case's branches, a call's function ([] where
+    not found)."""
     if op.type in _LOOPS:
         body = compat.traced_function_graph(op, "body")
         return [body if body is not None
                 else compat.while_function_graph(op, op.get_attr("body").name)]
     return list(compat.called_function_graphs(op)[0])
+
+
+def _given_gradient(ops: list, results: list) -> set:
+    """ids of the tensors a gradient at `results` reaches through `ops`, each
+    op passing it (`passes_gradient`) only to the inputs its registered
+    gradient gives one: not `tf.floor`'s, nor a `tf.custom_gradient`'s
+    forward inputs (`gradient_reads`' `ungraded`, probed once per kind of
+    op). Finer than `gradient_comes_back_from`, for what taking a whole
+    function as a constant would cut."""
+    inside, ungraded, reached = set(ops), {}, {id(t) for t in results}
+    todo = list(results)
+    while todo:
+        tensor = todo.pop()
+        op = tensor.op
+        if op not in inside or not compat.is_trainable(tensor):
+            continue
+        if op not in ungraded:
+            ungraded[op] = (range(len(op.inputs)) if not passes_gradient(op)
+                            else _ungraded(op))
+        for i, source in enumerate(op.inputs):
+            if i not in ungraded[op] and id(source) not in reached:
+                reached.add(id(source))
+                todo.append(source)
+    return reached
+
+
+def _ungraded(op: tf.Operation) -> tuple:
+    """Indices of the inputs `op`'s registered gradient gives None. Not
+    asked where an output is a list, a handle or a string: the probe seeds
+    those with None, so every input would look ungraded."""
+    if any(t.dtype.base_dtype in op_kinds.OPAQUE_DTYPES for t in op.outputs):
+        return ()
+    return gradient_reads.gradient_reads(op, folds=False).ungraded
 
 
 def gradient_comes_back_from(ops: list, outputs: list) -> set:
