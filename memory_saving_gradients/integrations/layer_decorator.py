@@ -227,6 +227,10 @@ def _call_as_segment(call: Callable, layer: keras.layers.Layer, args: tuple,
     graph = tf.compat.v1.get_default_graph()
     made, body_ops, read_variables = _built_body(
         graph, call, layer, *tf.nest.pack_sequence_as((args, kwargs), filled))
+    # The outputs of its conds, loops and calls as built: differentiated,
+    # TensorFlow adds outputs to them (`gradient_paths.gradient_missing_at`).
+    holders = {op: range(len(op.outputs)) for op in body_ops
+               if gradient_paths.holds_functions(op)}
     # tf.custom_gradient passes a RaggedTensor or SparseTensor through without
     # a gradient, and refuses None or Python values: only the float tensors (a
     # composite's components among them) cross it; the rest (indices, shapes,
@@ -278,8 +282,8 @@ def _call_as_segment(call: Callable, layer: keras.layers.Layer, args: tuple,
         def gradient(*output_grads, variables: Optional[list] = None):
             output_grads = [None if _filled_in(g, result) else g
                             for g, result in zip(output_grads, boundary)]
-            grads = _recomputed_gradients(graph, outputs, body_ops, coming_back, sources,
-                                          variables or [], output_grads)
+            grads = _recomputed_gradients(graph, outputs, body_ops, holders, coming_back,
+                                          sources, variables or [], output_grads)
             source_grads = _after_weight_gradients(grads[:len(sources)], grads[len(sources):])
             return (source_grads, grads[len(sources):]) if variables else source_grads
 
@@ -361,19 +365,20 @@ def _passes_registered_gradient(op: tf.Operation) -> bool:
     return gradient_paths.passes_gradient(op) and not gradient_paths.lacks_gradient(op)
 
 
-def _taken_as_constants(body_ops: list, reached: set, coming_back: Callable[[], set]) -> list:
+def _taken_as_constants(body_ops: list, holders: dict, reached: set,
+                        coming_back: Callable[[], set]) -> list:
     """Outputs of the body's ops where a gradient would meet an op without
     one (`gradient_paths.gradient_missing_at`: the op itself, or a cond,
-    loop or function call holding it) that depend on a source (an input in
+    loop or function call holding it, in `holders` with its outputs as
+    built) that depend on a source (an input in
     `reached`, through any op, as tf.gradients sees it) and lead to the
     body's outputs through ops passing gradients (a float or complex output
     in `coming_back()`): the segment's gradient stops there, as at
     `tf.stop_gradient` (said once per op type). The segment differentiates
     every source, asked for or not: raising there as tf.gradients does would
     fail a step stock trains, one whose batch alone reaches such an op."""
-    maybe = [op for op in body_ops
-             if gradient_paths.lacks_gradient(op) or gradient_paths.holds_functions(op)]
-    missing = {op: gradient_paths.gradient_missing_at(op) for op in maybe
+    maybe = [op for op in body_ops if gradient_paths.lacks_gradient(op) or op in holders]
+    missing = {op: gradient_paths.gradient_missing_at(op, holders.get(op)) for op in maybe
                if any(id(t) in reached for t in op.inputs)
                and any(compat.is_trainable(t) and id(t) in coming_back() for t in op.outputs)}
     ops = [op for op, op_type in missing.items() if op_type is not None]
@@ -389,8 +394,9 @@ def _taken_as_constants(body_ops: list, reached: set, coming_back: Callable[[], 
     return [t for op in ops for t in op.outputs]
 
 
-def _recomputed_gradients(graph, outputs, body_ops: list, coming_back: Callable[[], set],
-                          sources: list, variables: list, output_grads: tuple) -> list:
+def _recomputed_gradients(graph, outputs, body_ops: list, holders: dict,
+                          coming_back: Callable[[], set], sources: list, variables: list,
+                          output_grads: tuple) -> list:
     """Gradients of the sources (stand-ins, closures) then variables,
     recomputing the body from them.
 
@@ -403,13 +409,14 @@ def _recomputed_gradients(graph, outputs, body_ops: list, coming_back: Callable[
     theirs from the tape, and differentiating down to the variable itself
     would count them a second time. `coming_back()`: the ids of the tensors
     a gradient at the outputs comes back to
-    (`gradient_paths.gradient_comes_back_from`).
+    (`gradient_paths.gradient_comes_back_from`); `holders`: the body's
+    conds, loops and calls, each with the indices of its outputs as built.
     """
     readers = _readers_in_body(graph, body_ops, variables)
     # Outputs that depend on no x (constants, ints) get no gradient through.
     reached = gradient_paths.reached_from(
         list(sources) + [t for _, ops in readers for op in ops for t in op.outputs], body_ops)
-    constants = _taken_as_constants(body_ops, reached, coming_back)
+    constants = _taken_as_constants(body_ops, holders, reached, coming_back)
     # A variable read by one of them (a kernel a cond taken as a constant
     # reads) gets no gradient through that read: stock, not asked for the
     # variable, never differentiates the cond.

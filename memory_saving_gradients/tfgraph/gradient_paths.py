@@ -2,6 +2,8 @@
 paths tf.gradients takes through a graph, read off its ops without building
 any gradient."""
 
+from typing import Optional, Sequence
+
 import tensorflow as tf
 
 from memory_saving_gradients.tfgraph import compat, gradient_reads, graph_walks, op_kinds
@@ -55,28 +57,38 @@ def lacks_gradient(op: tf.Operation) -> bool:
     return False
 
 
-def gradient_missing_at(op: tf.Operation):
+def gradient_missing_at(op: tf.Operation, differentiated: Optional[Sequence[int]] = None):
     """The type of the op without a registered gradient that differentiating
     `op` would meet: `op`'s own (`lacks_gradient`), or for a cond, a loop or
     a function call, that of one inside its branches, body or function (at
-    any depth) on a path from an argument to a result through ops passing
-    gradients; None if there is none. TensorFlow differentiates such ops
-    from inside, for all their trainable arguments and results (a loop
-    variable nothing reads after the loop too), and raises there. Reads
-    functions only for such ops."""
+    any depth) on a path from an argument to a result that a gradient
+    reaches (`_given_gradient`); None if there is none. TensorFlow
+    differentiates such ops from inside, for all their trainable arguments
+    and results (a loop variable nothing reads after the loop too), and
+    raises there. `differentiated`: the indices of `op`'s outputs whose
+    results count (None: all). Once TensorFlow has differentiated such an
+    op it adds outputs for the intermediates its gradient reads, which get
+    none: the caller passes the outputs `op` had before. Reads functions
+    only for such ops."""
     if lacks_gradient(op):
         return op.type
     if not holds_functions(op):
         return None
+    indices = range(len(op.outputs)) if differentiated is None else differentiated
     for function in _functions_differentiated(op):
+        arguments = ([function.inputs[i] for i in indices] if op.type in _LOOPS
+                     else function.inputs)
+        results = [function.outputs[i] for i in indices]
         ops = function.get_operations()
-        reached = reached_from([t for t in function.inputs if compat.is_trainable(t)], ops)
-        results = [t for t in function.outputs if compat.is_trainable(t)]
-        coming_back = _given_gradient(ops, results)
+        reached = reached_from([t for t in arguments if compat.is_trainable(t)], ops)
+        coming_back = _given_gradient(ops, [t for t in results if compat.is_trainable(t)])
         for inner in ops:
             if (any(id(t) in reached for t in inner.inputs)
                     and any(id(t) in coming_back for t in inner.outputs)):
-                missing = gradient_missing_at(inner)
+                # Of a holder inside, the outputs a gradient reaches: its
+                # outputs as built are not known here.
+                missing = gradient_missing_at(inner, [
+                    i for i, t in enumerate(inner.outputs) if id(t) in coming_back])
                 if missing is not None:
                     return missing
     return None
