@@ -1541,6 +1541,81 @@ def test_a_holder_whose_op_without_gradient_no_gradient_reaches_is_differentiate
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+_READ_IN_CALL = tf.function(lambda t, kernel: t @ kernel)
+
+
+def _in_a_cond(h, f):
+    return tf.cond(tf.reduce_sum(h) > -1e9, lambda: f(h), lambda: h)
+
+
+# Bodies where an op other than a plain read takes the kernel's handle (a
+# cond, a nested call), beside other paths from the kernel to its inputs.
+_KERNEL_READERS = {
+    "a cond reading it": lambda dense, x: _in_a_cond(x, lambda t: tf.tanh(dense(t))) * 2.0,
+    "a read before a cond reading it": lambda dense, x: _in_a_cond(
+        tf.tanh(x @ dense.kernel), lambda t: tf.tanh(t @ dense.kernel + dense.bias)),
+    "a call reading it before a cond reading it": lambda dense, x: _in_a_cond(
+        _READ_IN_CALL(x, dense.kernel.value), lambda t: tf.tanh(t @ dense.kernel + dense.bias)),
+}
+
+
+class ReadsKernelOtherwise(keras.layers.Layer):
+    def __init__(self, body, **kwargs):
+        super().__init__(**kwargs)
+        self.body, self.dense = body, keras.layers.Dense(6)
+
+    def build(self, input_shape):
+        self.dense.build(input_shape)
+
+    def call(self, x):
+        return _KERNEL_READERS[self.body](self.dense, x)
+
+
+class RecomputedReadsKernelOtherwise(ReadsKernelOtherwise):
+    @recompute_grad
+    def call(self, x):
+        return super().call(x)
+
+
+@pytest.mark.parametrize("body", sorted(_KERNEL_READERS))
+@pytest.mark.parametrize("calls", [1, 2])
+def test_a_variable_read_by_a_cond_or_call_gets_that_ops_gradient_once(body, calls,
+                                                                      count_segments):
+    # Review 3 (session 63): the handle's gradient through such a reader was
+    # tf.gradients from its outputs to the handle, which also walked the
+    # paths through its other inputs (the layer's earlier call feeding this
+    # one, a read of the kernel before the cond, a nested call's read) that
+    # their own readers count: kernel and bias gradients off by 0.6-2.3
+    # relative, silently, since before session 62. Now the reader's own
+    # gradient function runs alone.
+    x = tf.constant(np.random.default_rng(0).normal(size=(8, 6)), tf.float32)
+
+    def gradients(kind):
+        keras.utils.set_random_seed(0)
+        below, layer = keras.layers.Dense(6), kind(body)
+
+        def forward():
+            h = below(x)
+            for _ in range(calls):
+                h = layer(h)
+            return h
+        forward()
+        weights = below.trainable_weights + layer.trainable_weights
+
+        @tf.function
+        def step():
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(forward() ** 2)
+            return tape.gradient(loss, weights)
+        with msg.checkpointing():
+            return [g.numpy() for g in step()]
+    want = gradients(ReadsKernelOtherwise)
+    got = gradients(RecomputedReadsKernelOtherwise)
+    assert count_segments
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("held_by", ["a cond", "a loop", "a nested tf.function"])
 def test_a_holder_differentiated_before_raises_rather_than_giving_none(held_by,
                                                                        count_segments):

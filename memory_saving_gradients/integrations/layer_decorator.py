@@ -549,6 +549,32 @@ def _readers_in_body(graph, body_ops: list, variables: list) -> list:
     return [(handle, reading[id(handle)] if handle is not None else []) for handle in handles]
 
 
+def _through_reader_alone(op: tf.Operation, handle, grad_of: dict) -> list:
+    """The gradient `op`'s own gradient function gives `handle`, from its
+    outputs' gradients in `grad_of`: `op` alone, as tf.gradients runs it
+    (zeros for its other differentiable outputs). Not tf.gradients from its
+    outputs to the handle: that also walks paths through its other inputs
+    (an earlier call of the layer feeding this one, a read of the variable
+    in the body), whose parts their own readers give, and its stops do not
+    stop at function calls."""
+    try:
+        gradient_function = compat.gradient_function(op)
+    except LookupError:  # a v1 function call: differentiated as tf.gradients does
+        gradient_function = None
+    if gradient_function is None:
+        reached = [t for t in op.outputs if grad_of.get(id(t)) is not None]
+        return compat.stock_gradients(reached, [handle],
+                                      grad_ys=[grad_of[id(t)] for t in reached])
+    seeds = [grad_of.get(id(t)) for t in op.outputs]
+    seeds = [compat.zeros_like_gradient(t)
+             if g is None and compat.is_trainable(t) and t.dtype != tf.resource else g
+             for g, t in zip(seeds, op.outputs)]
+    with tf.name_scope(f"{op.name.split('/')[-1]}_grad"):
+        grads = gradient_function(op, *seeds)
+    grads = grads if isinstance(grads, (list, tuple)) else [grads]
+    return [g for t, g in zip(op.inputs, grads) if t is handle and g is not None]
+
+
 def _local_handles(graph, variables: list) -> list:
     """Each variable's handle as `graph` reads it (None where it does not)."""
     return [captures.local_tensor(graph, variable.handle) for variable in variables]
@@ -558,13 +584,13 @@ def _variable_gradient(handle, readers: list, grad_of: dict):
     """The sum of each reader's own gradient to `handle`, given its outputs' gradients.
 
     A plain read passes its output's gradient on (its registered gradient
-    does nothing else); for other readers, and a read given another
-    gradient by a gradient_override_map, stock tf.gradients from their
-    outputs to the handle runs that one op's gradient (a gather makes
-    IndexedSlices). Not tf.gradients for a plain read: it walks every op
-    downstream of the variable, the whole graph above the layer, so tracing
-    n decorated layers took time quadratic in n. The parts add up as the
-    rewrite's do (sparse if all are, whatever their index dtypes).
+    does nothing else); other readers, and a read given another gradient by
+    a gradient_override_map, run their own gradient function
+    (`_through_reader_alone`; a gather makes IndexedSlices). Not
+    tf.gradients for a plain read: it walks every op downstream of the
+    variable, the whole graph above the layer, so tracing n decorated
+    layers took time quadratic in n. The parts add up as the rewrite's do
+    (sparse if all are, whatever their index dtypes).
     """
     parts = []
     for op in readers:
@@ -574,6 +600,5 @@ def _variable_gradient(handle, readers: list, grad_of: dict):
         if reached and op.type == "ReadVariableOp" and not compat.gradient_overridden(op):
             parts.append(tf.identity(grad_of[id(op.outputs[0])]))  # as tf.gradients' grad_ys
         elif reached:
-            parts += compat.stock_gradients(reached, [handle],
-                                            grad_ys=[grad_of[id(t)] for t in reached])
+            parts += _through_reader_alone(op, handle, grad_of)
     return ledger.add_up([part for part in parts if part is not None])
