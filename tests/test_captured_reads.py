@@ -155,11 +155,16 @@ def test_stock_silu_in_a_function_predicted_without_its_folded_product(rows):
 
 def test_stock_silu_beside_an_in_place_op_predicted_with_its_product():
     """Beside an op writing its input in place Grappler makes `beta * features`
-    a Snapshot, a copy, not an Identity: measured 48 MB, predicted 35 before
-    session 51 (as folded)."""
-    peaks = module_result("tests.silu_stock_peak", "default")["in_place"]
-    assert peaks["measured_mb"] > 40, peaks  # the copy is made
-    assert peaks["predicted_mb"] == pytest.approx(peaks["measured_mb"], rel=0.15), peaks
+    a Snapshot, a copy, not an Identity: predicted as folded (35 MB) before
+    session 51, measured 48. How much of it is held depends on the schedule:
+    the second `beta * features` of silu's gradient waits for nothing, and the
+    executor runs it early (all 16 held: 48 MB) or late (35-42, seen in CI and
+    with one inter-op thread). So the prediction counts the copies, and
+    no schedule measured exceeds it."""
+    peaks = module_result("tests.silu_stock_peak", "default")
+    folded, in_place = peaks["known"], peaks["in_place"]
+    assert in_place["predicted_mb"] > folded["predicted_mb"] + 12, peaks  # the copies
+    assert in_place["measured_mb"] < 1.15 * in_place["predicted_mb"], peaks
 
 
 def test_no_fold_is_assumed_with_grappler_switched_off():

@@ -92,54 +92,66 @@ def _own_loop(optimizer, checkpoints, returns, layer=keras.layers.Dense):
     return _least_peak(lambda: step(x)), model.get_weights()
 
 
-@pytest.mark.parametrize("optimizer, saved", [
-    # Measured on this model: stock 36.4 MiB, checkpointed 8.3 (32.3 without the waits).
-    (lambda: keras.optimizers.SGD(0.01, momentum=0.9), 0.5),
-    # Stock 40.3, checkpointed 12.4-20.2 (40.3 without).
-    (lambda: keras.optimizers.RMSprop(0.001), 0.25),
-    # Stock 36.4, checkpointed 20.3 (36.3 without).
-    (lambda: keras.optimizers.AdamW(0.001), 0.25),
+def _assert_holds_no_copy(peak, stock_peak, most):
+    """The checkpointed step's peak under `most` of the weights' bytes, and
+    under stock's. Stock's peak is no fixed figure to subtract a saving
+    from: it moved by up to 12 MiB between runs as the executor ran updates
+    early or late, and ours without the waits did too; with them ours moved
+    by at most one layer's gradient (4 MiB)."""
+    assert peak < min(stock_peak, most * WEIGHT_BYTES), (peak / 2**20, stock_peak / 2**20)
+
+
+@pytest.mark.parametrize("optimizer, most", [
+    # Measured on this model, MiB, in four runs: stock 36-40, checkpointed 16
+    # (32-40 without the waits).
+    (lambda: keras.optimizers.SGD(0.01, momentum=0.9), 0.75),
+    # Stock 44-48, checkpointed 20-24 (44-48 without).
+    (lambda: keras.optimizers.RMSprop(0.001), 0.875),
+    # Stock 36-40, checkpointed 20 (36 without).
+    (lambda: keras.optimizers.AdamW(0.001), 0.875),
 ], ids=["momentum-sgd", "rmsprop", "adamw"])
-def test_fit_holds_no_copy_of_the_weights_for_updates_yet_to_come(optimizer, saved):
+def test_fit_holds_no_copy_of_the_weights_for_updates_yet_to_come(optimizer, most):
     stock_peak, stock_weights = _fit(optimizer(), None)
     peak, weights = _fit(optimizer(), "memory")
-    assert peak < stock_peak - saved * WEIGHT_BYTES, (peak / 2**20, stock_peak / 2**20)
+    _assert_holds_no_copy(peak, stock_peak, most)
     for got, want in zip(weights, stock_weights):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("optimizer, returns, saved", [
-    # Measured on this model: stock 64.0 MiB (Keras's IdentityN over the
-    # gradients is kept where the step returns nothing: all eight are held),
-    # checkpointed 12.1; 64.0 with the IdentityN, 36.3 without the waits.
-    (lambda: keras.optimizers.SGD(0.01, momentum=0.9), False, 0.5),
-    # Stock 36.3, checkpointed 8.3 (36.3 without the waits).
-    (lambda: keras.optimizers.SGD(0.01, momentum=0.9), True, 0.5),
-    # Stock 48.0, checkpointed 24.2 (52.0 with the IdentityN).
-    (lambda: keras.optimizers.AdamW(0.001), False, 0.25),
+@pytest.mark.parametrize("optimizer, returns, most", [
+    # Measured on this model, MiB, in four runs: stock 64 (Keras's IdentityN
+    # over the gradients is kept where the step returns nothing: all eight
+    # are held), checkpointed 16 (40 without the waits).
+    (lambda: keras.optimizers.SGD(0.01, momentum=0.9), False, 0.75),
+    # Stock 28-40 (one CI run: 28.4, where 16 below stock was asserted),
+    # checkpointed 16 (28-36 without the waits).
+    (lambda: keras.optimizers.SGD(0.01, momentum=0.9), True, 0.75),
+    # Stock 44, checkpointed 24 (36-40 without).
+    (lambda: keras.optimizers.AdamW(0.001), False, 0.875),
 ], ids=["momentum-sgd", "momentum-sgd-returning-the-loss", "adamw"])
 def test_own_training_loop_holds_no_copy_of_the_weights_for_updates_yet_to_come(
-        optimizer, returns, saved):
+        optimizer, returns, most):
     stock_peak, stock_weights = _own_loop(optimizer(), None, returns)
     peak, weights = _own_loop(optimizer(), "memory", returns)
-    assert peak < stock_peak - saved * WEIGHT_BYTES, (peak / 2**20, stock_peak / 2**20)
+    _assert_holds_no_copy(peak, stock_peak, most)
     for got, want in zip(weights, stock_weights):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("train, optimizer, returns, saved", [
-    # Measured on this model at 256 rows: stock 66-67 MiB, decorated under
-    # RECOMPUTE=1 17-19 (65 without the waits).
+@pytest.mark.parametrize("train, optimizer, returns, most", [
+    # Measured on this model, MiB, in three runs: stock 64, decorated under
+    # RECOMPUTE=1 8 (40-44 without the waits).
     (_own_loop, lambda: keras.optimizers.SGD(0.01, momentum=0.9), False, 0.5),
-    # Stock 45, decorated 16 (46 without).
+    # Stock 40, decorated 8 (40-44 without).
     (_own_loop, lambda: keras.optimizers.SGD(0.01, momentum=0.9), True, 0.5),
-    # Stock 43-55, decorated 24-26 (47-50 without).
-    (_own_loop, lambda: keras.optimizers.AdamW(0.001), False, 0.25),
+    # Stock 48, decorated 12-16 (36 without).
+    (_own_loop, lambda: keras.optimizers.AdamW(0.001), False, 0.75),
+    # Stock 28-40, decorated 8 (32-40 without).
     (_fit, lambda: keras.optimizers.SGD(0.01, momentum=0.9), None, 0.5),
 ], ids=["own-loop-momentum-sgd", "own-loop-momentum-sgd-returning-the-loss", "own-loop-adamw",
         "fit-momentum-sgd"])
 def test_recompute_env_alone_makes_a_decorated_models_updates_wait(
-        monkeypatch, train, optimizer, returns, saved):
+        monkeypatch, train, optimizer, returns, most):
     """RECOMPUTE=1 with no patch: the step's gradients come from the stock tape
     through the decorated layers' segments, and its updates wait as in a
     checkpointed step."""
@@ -147,7 +159,7 @@ def test_recompute_env_alone_makes_a_decorated_models_updates_wait(
     stock_peak, stock_weights = train(optimizer(), None, *given)
     monkeypatch.setattr(layer_decorator, "_ENV_ON", True)
     peak, weights = train(optimizer(), None, *given, layer=_RecomputedDense)
-    assert peak < stock_peak - saved * WEIGHT_BYTES, (peak / 2**20, stock_peak / 2**20)
+    _assert_holds_no_copy(peak, stock_peak, most)
     for got, want in zip(weights, stock_weights):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
