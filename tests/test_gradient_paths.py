@@ -1,5 +1,7 @@
-"""gradient_paths: where tf.gradients would meet an op without a registered gradient."""
+"""gradient_paths: where tf.gradients would meet an op without a registered gradient, and
+where a gradient comes back."""
 
+import pytest
 import tensorflow as tf
 
 from memory_saving_gradients.tfgraph import compat, gradient_paths
@@ -49,3 +51,37 @@ def test_giving_no_gradient_for_a_while_restores_the_ops_own():
             assert tf.gradients(overridden + plain, x) == [None]
         assert overridden.op.node_def.attr["_gradient_op_type"].s == b"Identity"
         assert not compat.gradient_overridden(plain.op)
+
+
+def test_a_gradient_comes_back_only_to_the_inputs_their_ops_give_one():
+    @tf.custom_gradient
+    def doubled_in_backprop(t, scale):
+        return t * scale, lambda dy: (2.0 * dy, None)
+
+    graph = tf.Graph()
+    with graph.as_default():
+        x, w = tf.compat.v1.placeholder(tf.float32, [2]), tf.compat.v1.placeholder(tf.float32, [2])
+        floored = tf.floor(tf.sin(x))
+        y = floored + doubled_in_backprop(tf.cos(x), tf.exp(w)) + tf.stop_gradient(tf.tanh(w))
+    reached = gradient_paths.gradient_comes_back_from(graph.get_operations(), [y])
+    assert id(floored) in reached and id(floored.op.inputs[0]) not in reached  # tf.floor's
+    assert id(x) in reached  # through the custom gradient's first input
+    assert id(w) not in reached  # its second gets None; the stop passes none
+
+
+@pytest.mark.parametrize("reader, read", [
+    (lambda t: tf.reduce_sum(tf.sign(t)), True),  # zeros, but a gradient
+    (lambda t: tf.reduce_sum(tf.exp(t)) * 2.0, True),
+    (lambda t: tf.floor(t) * 2.0, False),
+    (lambda t: tf.stop_gradient(t) * 2.0, False),
+    (lambda t: tf.cast(t > 0.0, tf.float32), False),
+    (lambda t: tf.truncatemod(t, 0.5), False),  # no gradient registered
+    (lambda t: t, False),  # nothing reads it
+    (lambda t: tf.floor(tf.identity(t)), True),  # readers' readers not looked at
+])
+def test_a_tensor_is_read_differentiably_where_a_gradient_can_come_back(reader, read):
+    graph = tf.Graph()
+    with graph.as_default():
+        t = tf.compat.v1.placeholder(tf.float32, [2])
+        reader(t)
+    assert gradient_paths.read_differentiably(t) == read

@@ -357,14 +357,6 @@ def _reads_a_tape_watches(graph, body_ops: list, trainable_read: list,
             and id(op.outputs[0]) in coming_back()]
 
 
-def _passes_registered_gradient(op: tf.Operation) -> bool:
-    """`gradient_paths.passes_gradient`, but not through an op lacking a
-    gradient: what reads a layer output differentiably. (The walk for
-    closures counts such ops as passing, so that a closure read through one
-    is a source.)"""
-    return gradient_paths.passes_gradient(op) and not gradient_paths.lacks_gradient(op)
-
-
 def _taken_as_constants(body_ops: list, holders: dict, reached: set,
                         coming_back: Callable[[], set]) -> list:
     """Outputs of the body's ops where a gradient would meet an op without
@@ -487,16 +479,21 @@ def _filled_in(grad, result: tf.Tensor) -> bool:
     instead of applying a zero gradient (momentum and weight decay would
     still move the weight). Zeros for an output something differentiable
     reads are a real gradient (`tf.sign`'s is zeros): kept, as the
-    undecorated layer's zeros. Readers passing no gradient (a comparison,
-    `tf.stop_gradient`, an op with no gradient registered) do not count.
+    undecorated layer's zeros. Readers passing no gradient on to it (a
+    comparison, `tf.stop_gradient`, `tf.floor`, an op with no gradient
+    registered) do not count (`gradient_paths.read_differentiably`).
     Read on the layer's own output: a copy the rewrite outside recomputes
     has the readers it copied. Dropping zeros changes no value.
     """
     if grad is None:
         return True
-    if not isinstance(grad, tf.Tensor) or any(map(_passes_registered_gradient,
-                                                  result.consumers())):
-        return False
+    return (isinstance(grad, tf.Tensor) and _zeros_filled_in(grad)
+            and not gradient_paths.read_differentiably(result))
+
+
+def _zeros_filled_in(grad: tf.Tensor) -> bool:
+    """Whether `grad` is made as `tf.custom_gradient` fills in the gradient
+    of an output no gradient reached."""
     op = grad.op
     if op.type == "ZerosLike":
         # Of the boundary's IdentityN output, or of a copy of it (in a backward

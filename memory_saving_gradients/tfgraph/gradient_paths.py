@@ -28,21 +28,23 @@ def stops_gradient(op: tf.Operation) -> bool:
     return op.type in _NO_GRADIENT_READERS and not compat.gradient_overridden(op)
 
 
-def passes_gradient(op: tf.Operation) -> bool:
+def passes_gradient(op: tf.Operation, unregistered_passes: bool = True) -> bool:
     """Whether a gradient at `op`'s outputs can reach its inputs: not a stop
     (`tf.stop_gradient`, tf.gradients' own zeros) unless a
     gradient_override_map gave it another gradient, not registered as not
     differentiable, and with an output tapes differentiate (not a comparison
-    or a shape). An op with no gradient registered counts as passing one: a
-    v1 function call has its function's, and for any other
-    (`lacks_gradient`) tf.gradients raises rather than pass nothing."""
+    or a shape). A v1 function call has its function's gradient. An op with
+    no gradient registered (`lacks_gradient`) counts as passing one where
+    `unregistered_passes`: tf.gradients raises there rather than pass
+    nothing."""
     if stops_gradient(op):
         return False
     try:
         if compat.gradient_function(op) is None:
             return False
     except LookupError:
-        pass
+        if not (unregistered_passes or is_function_call(op)):
+            return False
     return any(compat.is_trainable(t) for t in op.outputs)
 
 
@@ -62,7 +64,7 @@ def gradient_missing_at(op: tf.Operation, differentiated: Optional[Sequence[int]
     `op` would meet: `op`'s own (`lacks_gradient`), or for a cond, a loop or
     a function call, that of one inside its branches, body or function (at
     any depth) on a path from an argument to a result that a gradient
-    reaches (`_given_gradient`); None if there is none. TensorFlow
+    reaches (`gradient_comes_back_from`); None if there is none. TensorFlow
     differentiates such ops from inside, for all their trainable arguments
     and results (a loop variable nothing reads after the loop too), and
     raises there. `differentiated`: the indices of `op`'s outputs whose
@@ -81,7 +83,8 @@ def gradient_missing_at(op: tf.Operation, differentiated: Optional[Sequence[int]
         results = [function.outputs[i] for i in indices]
         ops = function.get_operations()
         reached = reached_from([t for t in arguments if compat.is_trainable(t)], ops)
-        coming_back = _given_gradient(ops, [t for t in results if compat.is_trainable(t)])
+        coming_back = gradient_comes_back_from(
+            ops, [t for t in results if compat.is_trainable(t)])
         for inner in ops:
             if (any(id(t) in reached for t in inner.inputs)
                     and any(id(t) in coming_back for t in inner.outputs)):
@@ -111,28 +114,11 @@ def _functions_differentiated(op: tf.Operation) -> list:
     return list(compat.called_function_graphs(op)[0])
 
 
-def _given_gradient(ops: list, results: list) -> set:
-    """ids of the tensors a gradient at `results` reaches through `ops`, each
-    op passing it (`passes_gradient`) only to the inputs its registered
-    gradient gives one: not `tf.floor`'s, nor a `tf.custom_gradient`'s
-    forward inputs (`gradient_reads`' `ungraded`, probed once per kind of
-    op). Finer than `gradient_comes_back_from`, for what taking a whole
-    function as a constant would cut."""
-    inside, ungraded, reached = set(ops), {}, {id(t) for t in results}
-    todo = list(results)
-    while todo:
-        tensor = todo.pop()
-        op = tensor.op
-        if op not in inside or not compat.is_trainable(tensor):
-            continue
-        if op not in ungraded:
-            ungraded[op] = (range(len(op.inputs)) if not passes_gradient(op)
-                            else _ungraded(op))
-        for i, source in enumerate(op.inputs):
-            if i not in ungraded[op] and id(source) not in reached:
-                reached.add(id(source))
-                todo.append(source)
-    return reached
+def graded_inputs(op: tf.Operation) -> list:
+    """`op`'s inputs but those its registered gradient gives None
+    (`_ungraded`), for an op that passes a gradient."""
+    ungraded = _ungraded(op)
+    return [t for i, t in enumerate(op.inputs) if i not in ungraded]
 
 
 def _ungraded(op: tf.Operation) -> tuple:
@@ -145,8 +131,11 @@ def _ungraded(op: tf.Operation) -> tuple:
 
 
 def gradient_comes_back_from(ops: list, outputs: list) -> set:
-    """ids of the tensors from which a gradient at `outputs` comes back
-    through `ops`: through those that pass one on (`passes_gradient`)."""
+    """ids of the tensors a gradient at `outputs` reaches through `ops`, each
+    op passing it (`passes_gradient`) only to the inputs its registered
+    gradient gives one: not `tf.floor`'s, nor a `tf.custom_gradient`'s
+    forward inputs (`gradient_reads`' `ungraded`, probed once per kind of
+    op)."""
     inside, passes = set(ops), {}  # op -> passes_gradient(op), each asked once
 
     def gradient_passes_back(tensor: tf.Tensor) -> bool:
@@ -156,7 +145,20 @@ def gradient_comes_back_from(ops: list, outputs: list) -> set:
             passes[tensor.op] = passes_gradient(tensor.op)
         return passes[tensor.op]
 
-    return graph_walks.tensors_feeding(outputs, through=gradient_passes_back)
+    return graph_walks.tensors_feeding(outputs, through=gradient_passes_back,
+                                       inputs=graded_inputs)
+
+
+def read_differentiably(tensor: tf.Tensor) -> bool:
+    """Whether an op reading `tensor` passes a gradient back to it
+    (`passes_gradient` but not an op with no gradient registered;
+    `graded_inputs`: not `tf.floor`). Its readers' own readers are not
+    looked at: past the first op, a tensor read only by `tf.stop_gradient`
+    may be a loss (a detached copy of it logged) as well as a stopped side
+    branch."""
+    return any(passes_gradient(op, unregistered_passes=False)
+               and any(t is tensor for t in graded_inputs(op))
+               for op in tensor.consumers())
 
 
 def reached_from(sources: list, ops: list) -> set:

@@ -21,11 +21,13 @@ def ops_reading(tensors: Iterable, within: Optional[set] = None) -> set:
     return found
 
 
-def tensors_feeding(tensors: Iterable, through: Callable) -> set:
+def tensors_feeding(tensors: Iterable, through: Callable,
+                    inputs: Callable = lambda op: op.inputs) -> set:
     """ids of `tensors` and of the tensors they are computed from, walking
-    from a tensor to its op's inputs only where `through(tensor)` holds.
-    Linear in the tensors reached and their ops' edges: an op's inputs are
-    taken once, however many of its outputs are reached.
+    from a tensor to its op's `inputs(op)` (all of them unless given) only
+    where `through(tensor)` holds. Linear in the tensors reached and their
+    ops' edges: an op's inputs are taken (and `inputs` asked) once, however
+    many of its outputs are reached.
 
     Example: for x -> a -> y, tensors_feeding([y], lambda t: True) holds the
     ids of y, a's output and x; with `through=lambda t: t is not y`, only y's.
@@ -38,5 +40,5 @@ def tensors_feeding(tensors: Iterable, through: Callable) -> set:
         found.add(id(tensor))
         if tensor.op not in expanded and through(tensor):
             expanded.add(tensor.op)
-            todo.extend(tensor.op.inputs)
+            todo.extend(inputs(tensor.op))
     return found
