@@ -1362,6 +1362,11 @@ _HOLDERS = {
     "a switch_case": lambda f, t: tf.switch_case(
         tf.cast(tf.reduce_sum(t) > -1e9, tf.int32), [lambda: t, lambda: f(t)]),
     "a nested tf.function": lambda f, t: tf.function(f)(t),
+    # Nested holders: the outer one is taken as a constant, or not at all.
+    "a cond in a loop": lambda f, t: tf.while_loop(
+        lambda i, v: i < 2, lambda i, v: (i + 1, tf.cond(tf.reduce_sum(v) > -1e9,
+                                                         lambda: f(v), lambda: v)),
+        (0, t))[1],
 }
 
 
@@ -1450,7 +1455,8 @@ def test_an_op_without_registered_gradient_is_taken_as_a_constant(of, asked, dif
               "a loop, in a variable read no further": "the StatelessWhile ops holding them",
               "map_fn": "the StatelessWhile ops holding them",
               "a switch_case": "the StatelessCase ops holding them",
-              "a nested tf.function": "the PartitionedCall ops holding them"}[held_by]
+              "a nested tf.function": "the PartitionedCall ops holding them",
+              "a cond in a loop": "the StatelessWhile ops holding them"}[held_by]
     assert f"TruncateMod ops inside @recompute_grad layers have no gradient registered: the " \
            f"layers' gradients take {holder}" in caplog.text
     assert "MatrixLogarithm ops inside @recompute_grad layers" in caplog.text
@@ -1532,7 +1538,7 @@ def _layer_and_below_gradients(kind, asked, differentiate, **kwargs):
 
 
 @pytest.mark.parametrize("held_by", ["nothing", "a cond", "a loop", "map_fn",
-                                     "a nested tf.function"])
+                                     "a nested tf.function", "a cond in a loop"])
 @pytest.mark.parametrize("path", ["tf.floor", "a tf.custom_gradient"])
 @pytest.mark.parametrize("differentiate", ["tape", "tf.gradients"])
 def test_a_holder_whose_op_without_gradient_no_gradient_reaches_is_differentiated(
