@@ -97,15 +97,6 @@ def gradient_missing_at(op: tf.Operation, differentiated: Optional[Sequence[int]
     return None
 
 
-def holds_op_without_gradient(op: tf.Operation) -> bool:
-    """Whether a cond, loop or function call `op` runs an op with no
-    registered gradient (`lacks_gradient`) in its functions, at any depth,
-    on a gradient's path or not."""
-    return holds_functions(op) and any(
-        lacks_gradient(inner) or holds_op_without_gradient(inner)
-        for function in _functions_differentiated(op) for inner in function.get_operations())
-
-
 def holds_functions(op: tf.Operation) -> bool:
     """Whether `op` is a v2 cond, loop or function call, differentiated
     through the functions it runs."""
