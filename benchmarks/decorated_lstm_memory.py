@@ -1,10 +1,11 @@
 """Activation memory of a tape step over decorated Keras LSTM blocks.
 
-    python -m benchmarks.decorated_lstm_memory MODE STEPS [plain]
+    python -m benchmarks.decorated_lstm_memory MODE STEPS [plain] [one-thread]
 
 MODE: "decorated" (each block's call under @recompute_grad) or "stock"
 (the same blocks undecorated). The step runs inside `msg.checkpointing()`
-unless "plain" is given (TensorFlow alone). Prints the forward While ops'
+unless "plain" is given (TensorFlow alone); "one-thread" runs TensorFlow's
+ops on one inter-op thread (the executor's order then decides the peak). Prints the forward While ops'
 output counts (differentiating a loop adds its accumulators as outputs) and
 the allocator peak of three steps above the memory in use before each,
 less the weight gradients (design handbook, section 4). Four residual
@@ -39,7 +40,9 @@ class DecoratedBlock(Block):
         return super().call(x)
 
 
-def main(mode: str, steps: int, plain: bool) -> None:
+def main(mode: str, steps: int, plain: bool, one_thread: bool) -> None:
+    if one_thread:
+        tf.config.threading.set_inter_op_parallelism_threads(1)
     keras.utils.set_random_seed(0)
     blocks = [(DecoratedBlock if mode == "decorated" else Block)(UNITS)
               for _ in range(BLOCKS)]
@@ -70,10 +73,15 @@ def main(mode: str, steps: int, plain: bool) -> None:
             step(x)
             peaks.append(tf.config.experimental.get_memory_info("CPU:0")["peak"] - before)
     weight_bytes = sum(int(np.prod(w.shape)) * 4 for w in weights)
-    print(f"{mode}{' plain' if plain else ''}, {steps} steps: the first {BLOCKS} While ops' "
+    print(f"{mode}{' plain' if plain else ''}{' one-thread' if one_thread else ''}, "
+          f"{steps} steps: the first {BLOCKS} While ops' "
           f"outputs {outputs[:BLOCKS]} ({len(outputs)} While ops); "
           f"activation MiB {[round((p - weight_bytes) / 2**20, 1) for p in peaks]}")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), sys.argv[3:] == ["plain"])
+    options = sys.argv[3:]
+    unknown = set(options) - {"plain", "one-thread"}
+    if unknown:
+        sys.exit(f"unknown options {sorted(unknown)}: expected 'plain' and/or 'one-thread'")
+    main(sys.argv[1], int(sys.argv[2]), "plain" in options, "one-thread" in options)
