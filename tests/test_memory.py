@@ -125,16 +125,17 @@ def _weight_bytes(weights):
 
 
 def _activation_bytes(forward, weights, x):
-    """Activation memory (allocator peak minus weight gradients) of a tf.function
-    step `forward(x) -> loss` under tf.gradients and under 'memory', in this
-    process; checks the gradients agree. Returns (stock, ours)."""
+    """Activation memory (peak of bytes requested minus weight gradients) of a
+    tf.function step `forward(x) -> loss` under tf.gradients and under
+    'memory', in this process; checks the gradients agree. Returns (stock,
+    ours). Bytes requested, not the allocator's peak: in a process that ran
+    other tests BFC can hand a buffer a free chunk up to twice its size (the
+    RNN stack below read 0.66 against 0.7 with 7.96 MiB free chunks made first)."""
     stock_step, ours_step = _steps(forward, weights, jit_compile=False)
-    stock_step(x), ours_step(x)  # trace outside the measurement
-    stock_peak, stock_grads = msg.function_peak_bytes(stock_step, x)
-    ours_peak, ours_grads = msg.function_peak_bytes(ours_step, x)
-    for a, b in zip(stock_grads, ours_grads):
+    for a, b in zip(stock_step(x), ours_step(x)):  # also traces outside the measurement
         np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-4, atol=1e-6)
-    return stock_peak - _weight_bytes(weights), ours_peak - _weight_bytes(weights)
+    return (_requested_bytes(stock_step, x) - _weight_bytes(weights),
+            _requested_bytes(ours_step, x) - _weight_bytes(weights))
 
 
 def _requested_bytes(step, x):
