@@ -8,6 +8,7 @@ MultiWorkerMirroredStrategy workers on localhost. Those are marked slow (one
 to four minutes each on a busy 2-core machine).
 """
 
+import _thread
 import json
 import logging
 import os
@@ -205,18 +206,41 @@ def test_main_thread_patch_holds_in_other_threads_under_their_own():
     assert tf.gradients is UNPATCHED
 
 
-def test_a_thread_that_ends_patched_leaves_no_patch_behind():
+def _run_in_thread_by_threading(target):
+    thread = threading.Thread(target=target)
+    thread.start()
+    thread.join(timeout=60)
+
+
+def _run_in_thread_outside_threading(target):
+    """As C code's threads are: `threading` sees a `_DummyThread`, alive for good."""
+    done = threading.Event()
+
+    def run():
+        try:
+            target()
+        finally:
+            done.set()
+
+    _thread.start_new_thread(run, ())
+    assert done.wait(timeout=60)
+
+
+@pytest.mark.parametrize("run_in_thread", [_run_in_thread_by_threading,
+                                           _run_in_thread_outside_threading])
+def test_a_thread_that_ends_patched_leaves_no_patch_behind(run_in_thread):
     """Its patch is forgotten, the originals are back, and a later thread
     (which the OS may give the ended one's id) is not patched."""
     import keras
     stock_apply = keras.optimizers.Optimizer.apply
     seen = []
-    ended = threading.Thread(target=lambda: msg.patch_tf_gradients("memory"))
-    ended.start()
-    ended.join(timeout=60)
-    later = threading.Thread(target=lambda: seen.append(active_checkpoints()))
-    later.start()
-    later.join(timeout=60)
+    run_in_thread(lambda: msg.patch_tf_gradients("memory"))
+    # A thread's storage is cleared just after its function returns.
+    deadline = time.monotonic() + 10
+    while active_checkpoints() is None and tf.gradients is not UNPATCHED:  # each call looks
+        assert time.monotonic() < deadline, "the ended thread's patch is still in force"
+        time.sleep(0.01)
+    run_in_thread(lambda: seen.append(active_checkpoints()))
     assert seen == [None]
     assert tf.gradients is UNPATCHED and active_checkpoints() is None
     assert keras.optimizers.Optimizer.apply is stock_apply

@@ -23,7 +23,8 @@ import contextlib
 import functools
 import inspect
 import threading
-from typing import Callable, Dict, List, Optional
+import weakref
+from typing import Callable, List, MutableMapping, Optional
 
 import tensorflow as tf
 
@@ -36,60 +37,77 @@ _TARGETS = ((tf, "gradients"), (tf.compat.v1, "gradients"),
             (compat.tf1_optimizer_gradients_module(), "gradients"))
 
 
+class _ThreadKey:
+    """Stands for one thread: it lives in that thread's `threading.local`, which
+    Python clears when the thread ends, however the thread was started."""
+
+    __slots__ = ("__weakref__",)
+
+
 class _Patches:
     """Per-thread stacks of `checkpoints` values, and the installed dispatchers.
 
     Every method holds the lock: replica threads enter and leave patches
     interleaved (a replica pauses at each merge_call while the next runs).
-    Stacks are kept by thread object, not thread id (the OS gives an ended
-    thread's id to new ones), and a thread started by `threading` that ended
-    without undoing its patches loses them at the next call. The main
-    thread's are kept to the end (it reads as ended while the interpreter
-    shuts down, when other threads and atexit handlers may still run); a
-    thread started outside `threading` has one object for its id, whatever
-    thread holds the id, and reads as alive, so its patches stay.
+    Stacks are kept by a key living in the thread's own thread-local storage,
+    not by thread id (the OS gives an ended thread's id to new ones) nor by
+    thread object (a thread started outside `threading` reads as alive for
+    good): a thread that ended without undoing its patches loses them with
+    its storage, and the originals are back at the next call if it was the
+    last. The main thread's storage lasts until the interpreter is torn down,
+    so its patches hold for other threads and atexit handlers while it shuts
+    down.
     """
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._stacks: Dict[threading.Thread, List[object]] = {}  # thread -> its stack
+        self._local = threading.local()
+        self._stacks: MutableMapping[_ThreadKey, List[object]] = weakref.WeakKeyDictionary()
+        self._main_key: Optional[_ThreadKey] = None
         self._originals: List[Callable] = []  # what the dispatchers replaced
 
     def push(self, checkpoints) -> None:
         with self._lock:
-            self._forget_ended_threads()
+            self._uninstall_if_unused()
             if not self._stacks:
                 self._install()
-            self._stacks.setdefault(threading.current_thread(), []).append(checkpoints)
+            self._stacks.setdefault(self._current_key(), []).append(checkpoints)
 
     def pop(self) -> None:
         with self._lock:
-            self._forget_ended_threads()
-            stack = self._stacks.get(threading.current_thread())
+            self._uninstall_if_unused()
+            key = self._current_key()
+            stack = self._stacks.get(key)
             if not stack:
                 raise RuntimeError(
                     "tf.gradients is not patched by memory_saving_gradients in this "
                     "thread; call patch_tf_gradients() first (in the same thread)")
             stack.pop()
             if not stack:
-                del self._stacks[threading.current_thread()]
+                del self._stacks[key]
             if not self._stacks:
                 self._uninstall()
 
     def active(self) -> Optional[object]:
         with self._lock:
-            self._forget_ended_threads()
-            for thread in (threading.current_thread(), threading.main_thread()):
-                if self._stacks.get(thread):
-                    return self._stacks[thread][-1]
+            self._uninstall_if_unused()
+            for key in (self._current_key(), self._main_key):
+                stack = self._stacks.get(key) if key is not None else None
+                if stack:
+                    return stack[-1]
             return None
 
-    def _forget_ended_threads(self) -> None:
-        ended = [thread for thread in self._stacks
-                 if thread is not threading.main_thread() and not thread.is_alive()]
-        for thread in ended:
-            del self._stacks[thread]
-        if ended and not self._stacks:
+    def _current_key(self) -> _ThreadKey:
+        key = getattr(self._local, "key", None)
+        if key is None:
+            key = self._local.key = _ThreadKey()
+            if threading.current_thread() is threading.main_thread():
+                self._main_key = key
+        return key
+
+    def _uninstall_if_unused(self) -> None:
+        """Puts the originals back where every patching thread has ended."""
+        if self._originals and not self._stacks:
             self._uninstall()
 
     def _install(self) -> None:
