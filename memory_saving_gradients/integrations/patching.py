@@ -24,7 +24,7 @@ import functools
 import inspect
 import threading
 import weakref
-from typing import Callable, List, MutableMapping, Optional
+from typing import Callable, List, MutableMapping, Optional, Tuple
 
 import tensorflow as tf
 
@@ -56,20 +56,24 @@ class _Patches:
     its storage, and the originals are back at the next call if it was the
     last. The main thread's storage lasts until the interpreter is torn down,
     so its patches hold for other threads and atexit handlers while it shuts
-    down.
+    down. A thread that C code lends to Python for one callback (ctypes,
+    `tf.py_function`) gets fresh storage per callback, so a patch made there
+    lasts for that callback. The dispatchers are installed while
+    `_originals` holds what they replaced: an ended thread's entry leaves the
+    stacks at any moment, without the lock.
     """
 
     def __init__(self):
         self._lock = threading.Lock()
         self._local = threading.local()
         self._stacks: MutableMapping[_ThreadKey, List[object]] = weakref.WeakKeyDictionary()
-        self._main_key: Optional[_ThreadKey] = None
+        self._main: Tuple[Optional[threading.Thread], Optional[_ThreadKey]] = (None, None)
         self._originals: List[Callable] = []  # what the dispatchers replaced
 
     def push(self, checkpoints) -> None:
         with self._lock:
             self._uninstall_if_unused()
-            if not self._stacks:
+            if not self._originals:
                 self._install()
             self._stacks.setdefault(self._current_key(), []).append(checkpoints)
 
@@ -91,7 +95,7 @@ class _Patches:
     def active(self) -> Optional[object]:
         with self._lock:
             self._uninstall_if_unused()
-            for key in (self._current_key(), self._main_key):
+            for key in (self._current_key(), self._main_thread_key()):
                 stack = self._stacks.get(key) if key is not None else None
                 if stack:
                     return stack[-1]
@@ -101,8 +105,17 @@ class _Patches:
         key = getattr(self._local, "key", None)
         if key is None:
             key = self._local.key = _ThreadKey()
-            if threading.current_thread() is threading.main_thread():
-                self._main_key = key
+        if threading.current_thread() is threading.main_thread():
+            self._main = (threading.current_thread(), key)
+        return key
+
+    def _main_thread_key(self) -> Optional[_ThreadKey]:
+        """The main thread's key, if it has one. After `os.fork` in another
+        thread that thread is the child's main thread, and the old one is gone."""
+        thread, key = self._main
+        if thread is not threading.main_thread():
+            self._main = (None, None)
+            return None
         return key
 
     def _uninstall_if_unused(self) -> None:
