@@ -37,6 +37,7 @@ import tensorflow as tf
 from memory_saving_gradients import api
 from memory_saving_gradients.integrations import optimizer_waits
 from memory_saving_gradients.integrations import patching
+from memory_saving_gradients.tfgraph import backward_copies
 from memory_saving_gradients.tfgraph import captures, compat, gradient_linearity, gradient_reads
 from memory_saving_gradients.tfgraph import gradient_paths, gradient_waits
 from memory_saving_gradients.tfgraph import ledger
@@ -450,15 +451,22 @@ def _source_and_read_gradients(graph, outputs, body_ops: list, reached: set, xs:
         # The gradient is built in another graph than the body's: the backward
         # function of the tf.function the layer ran in (nested in the step, or
         # differentiated by an eager tape), or a cond or loop body taking the
-        # gradient. Our copies would have to be made there, reading the body's
-        # graph through captures. (The planner's probe builds it so too, to
-        # see what it reads: nothing to say then.)
-        if not gradient_reads.is_probe_graph(tf.compat.v1.get_default_graph()):
+        # gradient. The body's ops are copied there, reading the body's graph
+        # through captures. (The planner's probe builds it so too, to see what
+        # the stock gradient reads: it is not recomputed then.)
+        probed = gradient_reads.is_probe_graph(tf.compat.v1.get_default_graph())
+        recomputed = None if probed else backward_copies.recomputed_gradients(
+            body_ops, reached, ys, xs, grad_ys, stops)
+        if recomputed is not None:
+            return recomputed
+        if not probed:
             _log_once("@recompute_grad layers whose gradient is built in another graph "
                       "than the layer's (a layer called inside a nested tf.function, or "
-                      "in a tf.function an eager GradientTape differentiates) are "
-                      "differentiated by TensorFlow there, without recomputation; call "
-                      "them in the tf.function that takes the gradient")
+                      "in a tf.function an eager GradientTape differentiates) and whose "
+                      "call holds a cond, loop, function call or stateful op on the way "
+                      "from its inputs to its outputs are differentiated by TensorFlow "
+                      "there, without recomputation; call them in the tf.function that "
+                      "takes the gradient")
         grads = compat.stock_gradients(ys, xs, grad_ys=grad_ys, stop_gradients=stops)
     elif pairs and compat.any_tape_recording():
         # A tape records this gradient (nested tapes: a higher order). Our
