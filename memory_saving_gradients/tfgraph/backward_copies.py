@@ -28,8 +28,8 @@ def recomputed_gradients(body_ops: Sequence[tf.Operation], reached: set, ys: lis
     built in the default graph by copies of the body's ops on the way to
     `ys`; None where the copies cannot stand for the body: it holds a cond,
     loop or function call, or an op not rerun (a stateful op) on a gradient
-    path (a float input in `reached`, the ids of the tensors the sources
-    reach).
+    path (an input tapes differentiate, float or complex, in `reached`, the
+    ids of the tensors the sources reach).
 
     Every forward tensor is read through the default graph's capture of it:
     xs, stops and kept tensors are the boundary. The copies of ops reading
@@ -41,7 +41,7 @@ def recomputed_gradients(body_ops: Sequence[tf.Operation], reached: set, ys: lis
         return None
     needed = _ops_feeding(ys, body_ops)
     if any(gradient_paths.holds_functions(op) or not _reruns(op) and any(
-            t.dtype.is_floating and id(t) in reached for t in op.inputs) for op in needed):
+            compat.is_trainable(t) and id(t) in reached for t in op.inputs) for op in needed):
         return None
     waits = [t.op for t in tf.nest.flatten(grad_ys, expand_composites=True)]
     copies = {}
