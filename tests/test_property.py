@@ -278,11 +278,19 @@ def _check(problem, runtime):
     random = bool(kinds & _RANDOM)
     second = max(tolerance, 1e-5 if kinds & _FLOAT32_INSIDE else 1e-7)
 
+    # Under XLA the same second-order ops, compiled again with the modes'
+    # gradients added beside them, are fused and summed in another order; with
+    # a float32 batch norm inside, a drawn example's entry of -0.0071 moved
+    # 5.3e-7 among entries up to 0.08 (session 66's CI), above the 1e-6 of the
+    # largest entry allowed without XLA; 1e-5 of it there. Compared with
+    # stock's second order below, it stays within `second`.
+    spread = 10 * second if runtime == "xla" and kinds & _FLOAT32_INSIDE else second
+
     def forward_tolerance(name, value):
         # A second order run again beside our gradients' ops is summed in
         # another order: in float16, by about one rounding of its largest terms.
         if "_second" in name:
-            return second, _second_order_atol(value, second)
+            return second, _second_order_atol(value, spread)
         return tolerance, tolerance * 1e-3
 
     assert_matches_stock(outcome, rtol=tolerance, atol=tolerance * 1e-3,
@@ -404,8 +412,13 @@ def test_second_order_through_stride_one_same_max_pool_is_not_a_race():
 
 
 @pytest.mark.skipif(not os.environ.get(_XLA_CHILD), reason="run by the XLA test, in a subprocess")
-@settings(max_examples=max(5, settings.default.max_examples // 4))
+@settings(max_examples=max(5, settings.default.max_examples // 4), derandomize=True)
 @given(problem=problems())
+@hypothesis.example(problem=dict(  # drawn in session 66's CI: see `spread` in _check
+    nodes=[("sigmoid", (0,), 0), ("loop", (0,), 0), ("unstack", (0,), 0),
+           ("batch_norm", (3,), 0)],
+    second_order=True, stop_node=2, checkpoints=[0, 1, 2, 3, 4], extra={"x", "indices"},
+    x_nodes=[], unconnected=True, separate_ys=True, grad_ys=True))
 def test_random_models_under_xla_in_this_process(problem):
     kinds = {kind for kind, _, _ in problem["nodes"]}
     # Stock tf.gradients itself fails there: XLA cannot compile the second-order
