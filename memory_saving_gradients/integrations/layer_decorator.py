@@ -230,10 +230,6 @@ def _call_as_segment(call: Callable, layer: keras.layers.Layer, args: tuple,
     # outer tensors, the path between them would be counted here and again by
     # the backprop outside.
     inputs = [tf.identity(t) for t in outer]
-    for tensor, stand_in in zip(outer, inputs):
-        # Keras layers inside read it (pooling, attention): without it they
-        # would not mask.
-        compat.copy_keras_mask(tensor, stand_in)
     filled = list(leaves)
     for slot, tensor in zip(slots, inputs):
         filled[slot] = tensor
@@ -475,9 +471,10 @@ def _source_and_read_gradients(graph, outputs, body_ops: list, reached: set, xs:
             _log_once("@recompute_grad layers whose gradient is built in another graph "
                       "than the layer's (a layer called inside a nested tf.function, or "
                       "in a tf.function an eager GradientTape differentiates) and whose "
-                      "call passes the gradient through a cond, loop, function call or "
-                      "stateful op are differentiated by TensorFlow there, without "
-                      "recomputation; call them in the tf.function that takes the gradient")
+                      "call holds a cond, loop, function call or stateful op on the way "
+                      "from its inputs to its outputs are differentiated by TensorFlow "
+                      "there, without recomputation; call them in the tf.function that "
+                      "takes the gradient")
         grads = compat.stock_gradients(ys, xs, grad_ys=grad_ys, stop_gradients=stops)
     elif pairs and compat.any_tape_recording():
         # A tape records this gradient (nested tapes: a higher order). Our

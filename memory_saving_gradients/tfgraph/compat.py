@@ -582,21 +582,12 @@ def in_save_context() -> bool:
 TAPE_PUSH, TAPE_POP = "_push_tape", "_pop_tape"
 
 
-def keras_mask(tensor: tf.Tensor):
-    """The Keras mask `tensor` carries, or None (the private attribute where
-    Keras 3 and tf_keras keep a layer output's mask)."""
-    return getattr(tensor, "_keras_mask", None)
-
-
-def set_keras_mask(tensor: tf.Tensor, mask) -> None:
-    """Gives `tensor` the Keras mask `mask`, unless it is None."""
-    if mask is not None:
-        tensor._keras_mask = mask  # pylint: disable=protected-access
-
-
 def copy_keras_mask(source: tf.Tensor, target: tf.Tensor) -> None:
-    """Gives `target` the Keras mask `source` carries, if any."""
-    set_keras_mask(target, keras_mask(source))
+    """Gives `target` the Keras mask `source` carries, if any (the private
+    attribute where Keras 3 and tf_keras keep a layer output's mask)."""
+    mask = getattr(source, "_keras_mask", None)
+    if mask is not None:
+        target._keras_mask = mask  # pylint: disable=protected-access
 
 
 def tape_is_spent(tape: tf.GradientTape) -> bool:
