@@ -86,12 +86,13 @@ def _step(blocks, how, training, second_order=False):
     return tf.function(step) if how == "nested function" else step
 
 
-def _activation_bytes_and_gradients(block_types, how, training, caplog):
-    """{"stock"/"ours": (activation bytes requested, gradients)} of six blocks
-    of 128 at batch 2048, stock's and ours side by side; no fallback said."""
+@pytest.mark.parametrize("training", [False, True], ids=["inference", "dropout"])
+@pytest.mark.parametrize("how", WAYS)
+def test_the_forward_function_keeps_only_the_boundaries(how, training, monkeypatch, caplog):
     x = tf.random.stateless_normal([2048, 128], seed=[1, 2])
     runs = {}
-    for name, block_type in zip(("stock", "ours"), block_types):
+    monkeypatch.setattr(layer_decorator, "_logged", set())
+    for name, block_type in (("stock", DropoutBlock), ("ours", RecomputedDropoutBlock)):
         step = _step(_blocks(block_type, 128, x), how, training)
         with msg.checkpointing(), caplog.at_level(logging.WARNING, "memory_saving_gradients"):
             grads = step(x)  # traced; the dropout masks of the first call
@@ -101,52 +102,11 @@ def _activation_bytes_and_gradients(block_types, how, training, caplog):
     assert FALLBACK not in caplog.text
     for got, want in zip(runs["ours"][1], runs["stock"][1]):
         np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-4, atol=1e-6)
-    return runs
-
-
-@pytest.mark.parametrize("training", [False, True], ids=["inference", "dropout"])
-@pytest.mark.parametrize("how", WAYS)
-def test_the_forward_function_keeps_only_the_boundaries(how, training, monkeypatch, caplog):
-    monkeypatch.setattr(layer_decorator, "_logged", set())
-    runs = _activation_bytes_and_gradients((DropoutBlock, RecomputedDropoutBlock), how,
-                                           training, caplog)
     # Measured (session 66, activation MiB, stock -> ours): eager tape 20.2 ->
     # 9.2 (0.46), with dropout 27.7 -> 11.5 (0.41); nested 18.2 -> 8.2 (0.45)
     # and 25.7 -> 9.5 (0.37). TensorFlow's gradient there: 1.00. Eager layers
     # (session 67): 26.2 -> 9.2 (0.35), with dropout 39.7 -> 10.5 (0.26); 1.00
     # before, each op recorded by the tape.
-    assert runs["ours"][0] < 0.6 * runs["stock"][0], (runs["ours"][0], runs["stock"][0])
-
-
-class StoppedStatisticBlock(DropoutBlock):
-    """Scaled by statistics no gradient goes through: a cond and a stateful
-    tf.py_function, each behind tf.stop_gradient."""
-
-    def call(self, x, training=None):
-        h = tf.tanh(self.inner(x))
-        scale = tf.stop_gradient(tf.cond(tf.reduce_mean(h) > 0.0,
-                                         lambda: 1.0 + tf.reduce_max(tf.abs(h)),
-                                         lambda: 1.0 + tf.reduce_mean(h * h)))
-        shift = tf.stop_gradient(tf.ensure_shape(
-            tf.py_function(lambda t: 0.5 * t, [tf.reduce_mean(h)], tf.float32), []))
-        return x + self.outer(h / scale + shift)
-
-
-class RecomputedStoppedStatisticBlock(StoppedStatisticBlock):
-    @recompute_grad
-    def call(self, x, training=None):
-        return super().call(x, training=training)
-
-
-@pytest.mark.parametrize("how", WAYS)
-def test_a_cond_or_stateful_op_behind_a_stop_gradient_is_kept_and_the_rest_copied(
-        how, monkeypatch, caplog):
-    """Before session 67 such a body got TensorFlow's gradient there (1.00).
-    Measured (activation MiB, stock -> ours): eager tape 26.2 -> 10.2 (0.39),
-    nested 24.2 -> 9.2 (0.38), eager layers 37.2 -> 9.2 (0.25)."""
-    monkeypatch.setattr(layer_decorator, "_logged", set())
-    runs = _activation_bytes_and_gradients(
-        (StoppedStatisticBlock, RecomputedStoppedStatisticBlock), how, False, caplog)
     assert runs["ours"][0] < 0.6 * runs["stock"][0], (runs["ours"][0], runs["stock"][0])
 
 

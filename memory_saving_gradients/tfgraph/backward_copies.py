@@ -26,11 +26,10 @@ def recomputed_gradients(body_ops: Sequence[tf.Operation], reached: set, ys: lis
                          xs: list, grad_ys: list, stops: list) -> Optional[list]:
     """Gradients of `xs` from `ys` given `grad_ys`, stopping at `stops`,
     built in the default graph by copies of the body's ops on the way to
-    `ys`; None where the copies cannot stand for the body: a gradient from
-    `ys` reaches a cond, loop or function call, or an op not rerun (a
-    stateful op) with an input tapes differentiate (float or complex) in
-    `reached`, the ids of the tensors the sources reach. Such ops that no
-    gradient reaches (behind `tf.stop_gradient`) are kept, not copied.
+    `ys`; None where the copies cannot stand for the body: it holds a cond,
+    loop or function call, or an op not rerun (a stateful op) on a gradient
+    path (an input tapes differentiate, float or complex, in `reached`, the
+    ids of the tensors the sources reach).
 
     Every forward tensor is read through the default graph's capture of it:
     xs, stops and kept tensors are the boundary. The copies of ops reading
@@ -41,20 +40,13 @@ def recomputed_gradients(body_ops: Sequence[tf.Operation], reached: set, ys: lis
     if not hasattr(graph, "capture"):  # not a function graph: no way to read the body's
         return None
     needed = _ops_feeding(ys, body_ops)
-    kept = {op for op in needed if gradient_paths.holds_functions(op) or not _reruns(op)}
-    if kept:
-        coming_back = gradient_paths.gradient_comes_back_from(body_ops, ys)
-        # Kept, an op a gradient passes through would stop it. One whose
-        # outputs no gradient reaches (behind tf.stop_gradient) may be kept.
-        if any(any(id(t) in coming_back for t in op.outputs) and (
-                gradient_paths.holds_functions(op) or any(
-                    compat.is_trainable(t) and id(t) in reached for t in op.inputs))
-               for op in kept):
-            return None
+    if any(gradient_paths.holds_functions(op) or not _reruns(op) and any(
+            compat.is_trainable(t) and id(t) in reached for t in op.inputs) for op in needed):
+        return None
     waits = [t.op for t in tf.nest.flatten(grad_ys, expand_composites=True)]
     copies = {}
     for op in body_ops:
-        if op not in needed or op in kept:
+        if op not in needed or not _reruns(op):
             continue  # a kept op: its outputs are read from the forward graph
         inputs = [copies.get(id(t), t) for t in op.inputs]
         if inputs and not any(id(t) in copies for t in op.inputs):
