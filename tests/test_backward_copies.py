@@ -2,8 +2,7 @@
 
 A layer called inside a tf.function that an eager tape differentiates, or
 that the training step calls as a nested function, has its gradient built in
-the backward function of that call; so has one called eagerly under a tape,
-which runs through a tf.function of its own. The body's ops are copied there
+the backward function of that call. The body's ops are copied there
 (tfgraph/backward_copies.py), so the forward function keeps only the body's
 boundary; where a copy cannot stand for the body (a cond, loop or call, or a
 stateful op on a gradient path) TensorFlow's gradient is used, and said.
@@ -52,25 +51,15 @@ def _blocks(block_type, width, x):
     return blocks
 
 
-# Where the layers run: in a tf.function an eager tape differentiates, in one
-# nested in the step, or eagerly (each decorated layer then runs through a
-# tf.function of its own: integrations/eager_segments.py).
-WAYS = ["eager tape", "nested function", "eager layers"]
-
-
-def _function_or_eager(how, forward):
-    return forward if how == "eager layers" else tf.function(forward)
-
-
-def _step(blocks, how, training, second_order=False):
-    """Gradients of the weights, the forward pass run `how` (one of WAYS)."""
+def _step(blocks, nested, training, second_order=False):
+    """Gradients of the weights, the forward pass a tf.function of its own."""
     weights = [w for block in blocks for w in block.trainable_weights]
 
+    @tf.function
     def forward(h):
         for block in blocks:
             h = block(h, training=training)
         return tf.reduce_mean(h * h)
-    forward = _function_or_eager(how, forward)
 
     def step(x):
         if second_order:  # a gradient penalty: the norm of the input's gradient
@@ -83,17 +72,18 @@ def _step(blocks, how, training, second_order=False):
         with tf.GradientTape() as tape:
             loss = forward(x)
         return tape.gradient(loss, weights)
-    return tf.function(step) if how == "nested function" else step
+    return tf.function(step) if nested else step
 
 
 @pytest.mark.parametrize("training", [False, True], ids=["inference", "dropout"])
-@pytest.mark.parametrize("how", WAYS)
-def test_the_forward_function_keeps_only_the_boundaries(how, training, monkeypatch, caplog):
+@pytest.mark.parametrize("nested", [False, True], ids=["eager tape", "nested function"])
+def test_the_forward_function_keeps_only_the_boundaries(nested, training, monkeypatch,
+                                                        caplog):
     x = tf.random.stateless_normal([2048, 128], seed=[1, 2])
     runs = {}
     monkeypatch.setattr(layer_decorator, "_logged", set())
     for name, block_type in (("stock", DropoutBlock), ("ours", RecomputedDropoutBlock)):
-        step = _step(_blocks(block_type, 128, x), how, training)
+        step = _step(_blocks(block_type, 128, x), nested, training)
         with msg.checkpointing(), caplog.at_level(logging.WARNING, "memory_saving_gradients"):
             grads = step(x)  # traced; the dropout masks of the first call
             peak = min(profiled_allocations.requested_peak(
@@ -104,18 +94,16 @@ def test_the_forward_function_keeps_only_the_boundaries(how, training, monkeypat
         np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-4, atol=1e-6)
     # Measured (session 66, activation MiB, stock -> ours): eager tape 20.2 ->
     # 9.2 (0.46), with dropout 27.7 -> 11.5 (0.41); nested 18.2 -> 8.2 (0.45)
-    # and 25.7 -> 9.5 (0.37). TensorFlow's gradient there: 1.00. Eager layers
-    # (session 67): 26.2 -> 9.2 (0.35), with dropout 39.7 -> 10.5 (0.26); 1.00
-    # before, each op recorded by the tape.
+    # and 25.7 -> 9.5 (0.37). TensorFlow's gradient there: 1.00.
     assert runs["ours"][0] < 0.6 * runs["stock"][0], (runs["ours"][0], runs["stock"][0])
 
 
-@pytest.mark.parametrize("how", WAYS)
-def test_a_second_order_through_the_copies_is_tensorflows(how):
+@pytest.mark.parametrize("nested", [False, True], ids=["eager tape", "nested function"])
+def test_a_second_order_through_the_copies_is_tensorflows(nested):
     x = tf.random.stateless_normal([16, 8], seed=[3, 4])
     grads = {}
     for name, block_type in (("stock", DropoutBlock), ("ours", RecomputedDropoutBlock)):
-        step = _step(_blocks(block_type, 8, x), how, training=False, second_order=True)
+        step = _step(_blocks(block_type, 8, x), nested, training=False, second_order=True)
         with msg.checkpointing():
             grads[name] = step(x)
     for got, want in zip(grads["ours"], grads["stock"]):
@@ -134,21 +122,21 @@ class Noisy(keras.layers.Layer):
         return {"y": tf.tanh(x @ self.w) * noise, "noise": noise}
 
 
-@pytest.mark.parametrize("how", WAYS)
-def test_a_random_op_is_kept_not_drawn_again(how):
+@pytest.mark.parametrize("nested", [False, True], ids=["eager tape", "nested function"])
+def test_a_random_op_is_kept_not_drawn_again(nested):
     """The copies read the noise the forward pass drew: rerun, the random op
     would draw other numbers and the gradient would be wrong."""
     layer = Noisy()
     x = tf.random.stateless_normal([32, 6], seed=[5, 6])
     layer(x)
-    forward = _function_or_eager(how, layer)
+    forward = tf.function(lambda x: layer(x))
 
     def step(x):
         with tf.GradientTape() as tape:
             out = forward(x)
             loss = tf.reduce_sum(out["y"])
         return tape.gradient(loss, layer.w), out["noise"]
-    step = tf.function(step) if how == "nested function" else step
+    step = tf.function(step) if nested else step
     with msg.checkpointing():
         grad, noise = step(x)
     # d/dw of sum(tanh(x w) * noise) = x^T ((1 - tanh(x w)^2) * noise)
@@ -210,9 +198,8 @@ class RecomputedWithCond(WithCond):
     (WithPyFunction, RecomputedWithPyFunction),
     (WithComplexPyFunction, RecomputedWithComplexPyFunction),
     (WithCond, RecomputedWithCond)], ids=["py_function", "complex py_function", "cond"])
-@pytest.mark.parametrize("how", ["eager tape", "eager layers"])
 def test_a_body_copies_cannot_stand_for_gets_tensorflows_gradient_and_says_so(
-        layer_types, how, monkeypatch, caplog):
+        layer_types, monkeypatch, caplog):
     x = tf.random.stateless_normal([8, 6], seed=[7, 8])
     grads = {}
     monkeypatch.setattr(layer_decorator, "_logged", set())
@@ -220,7 +207,7 @@ def test_a_body_copies_cannot_stand_for_gets_tensorflows_gradient_and_says_so(
         keras.utils.set_random_seed(0)
         layer = layer_type()
         layer(x)
-        forward = _function_or_eager(how, lambda x, layer=layer: tf.reduce_sum(layer(x) ** 2))
+        forward = tf.function(lambda x, layer=layer: tf.reduce_sum(layer(x) ** 2))
         with tf.GradientTape() as tape:
             with msg.checkpointing(), caplog.at_level(logging.WARNING,
                                                       "memory_saving_gradients"):

@@ -35,7 +35,7 @@ import keras
 import tensorflow as tf
 
 from memory_saving_gradients import api
-from memory_saving_gradients.integrations import eager_segments, optimizer_waits
+from memory_saving_gradients.integrations import optimizer_waits
 from memory_saving_gradients.integrations import patching
 from memory_saving_gradients.tfgraph import backward_copies
 from memory_saving_gradients.tfgraph import captures, compat, gradient_linearity, gradient_reads
@@ -141,14 +141,7 @@ def recompute_grad(call: Callable) -> Callable:
         if recompute_enabled() and getattr(_building, "depth", 0):
             _building.inner.add(type(self).__name__)  # the outer segment recomputes it
             return call(self, *args, **kwargs)
-        if not recompute_enabled():
-            return call(self, *args, **kwargs)
-        if tf.executing_eagerly() and compat.could_record() and isinstance(
-                self, keras.layers.Layer):  # recomputed in the function's gradient
-            made = eager_segments.call(recomputed_call, self, args, kwargs)
-            if made is not eager_segments.NOT_TRACED:
-                return made
-        if _builds_plainly(self):
+        if not recompute_enabled() or _builds_plainly(self):
             return call(self, *args, **kwargs)
         return _call_as_segment(call, self, args, kwargs)
 
@@ -164,11 +157,10 @@ def _layer_types() -> tuple:
 
 def _builds_plainly(layer: keras.layers.Layer) -> bool:
     """True where a segment cannot be built though the switch is on (said once)."""
-    if tf.executing_eagerly():  # with no tape there is nothing to keep
-        if compat.could_record() and not isinstance(layer, keras.layers.Layer):
-            _log_once("tf_keras @recompute_grad layers run eagerly (run_eagerly=True?) "
-                      "are not recomputed; train in a tf.function (tf_keras's default) "
-                      "to save memory, or use Keras 3")
+    if tf.executing_eagerly():
+        _log_once("@recompute_grad layers run eagerly (run_eagerly=True?) and are "
+                  "not recomputed: recomputation rewrites a graph; train in a "
+                  "tf.function (Keras's default) to save memory")
         return True
     if compat.in_control_flow_body(tf.compat.v1.get_default_graph()):
         # The loop's or cond's gradient is built in a graph of its own (from a

@@ -125,11 +125,6 @@ def tape_would_record(tensors) -> bool:
     return record.should_record_backprop(tensors)
 
 
-def could_record() -> bool:
-    """True if a GradientTape or ForwardAccumulator is active on this thread."""
-    return record.could_possibly_record()
-
-
 def accumulator_would_record(tensors) -> bool:
     """True if an active ForwardAccumulator carries a tangent of one of `tensors`."""
     return bool(forwardprop_util.pack_tangents(tensors).tangents)
