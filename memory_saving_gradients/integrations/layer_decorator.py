@@ -222,6 +222,10 @@ def _call_as_segment(call: Callable, layer: keras.layers.Layer, args: tuple,
     # outer tensors, the path between them would be counted here and again by
     # the backprop outside.
     inputs = [tf.identity(t) for t in outer]
+    for tensor, stand_in in zip(outer, inputs):
+        # Keras layers inside read it (pooling, attention): without it they
+        # would not mask.
+        compat.copy_keras_mask(tensor, stand_in)
     filled = list(leaves)
     for slot, tensor in zip(slots, inputs):
         filled[slot] = tensor
