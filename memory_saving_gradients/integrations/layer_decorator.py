@@ -467,10 +467,10 @@ def _source_and_read_gradients(graph, outputs, body_ops: list, reached: set, xs:
             _log_once("@recompute_grad layers whose gradient is built in another graph "
                       "than the layer's (a layer called inside a nested tf.function, or "
                       "in a tf.function an eager GradientTape differentiates) and whose "
-                      "call holds a cond, loop, function call or stateful op on the way "
-                      "from its inputs to its outputs are differentiated by TensorFlow "
-                      "there, without recomputation; call them in the tf.function that "
-                      "takes the gradient")
+                      "call holds a cond, loop, function call or stateful op a gradient from its "
+                      "outputs reaches (one behind tf.stop_gradient is kept) are "
+                      "differentiated by TensorFlow there, without recomputation; call them "
+                      "in the tf.function that takes the gradient")
         grads = compat.stock_gradients(ys, xs, grad_ys=grad_ys, stop_gradients=stops)
     elif pairs and compat.any_tape_recording():
         # A tape records this gradient (nested tapes: a higher order). Our

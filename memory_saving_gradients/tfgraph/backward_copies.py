@@ -26,10 +26,11 @@ def recomputed_gradients(body_ops: Sequence[tf.Operation], reached: set, ys: lis
                          xs: list, grad_ys: list, stops: list) -> Optional[list]:
     """Gradients of `xs` from `ys` given `grad_ys`, stopping at `stops`,
     built in the default graph by copies of the body's ops on the way to
-    `ys`; None where the copies cannot stand for the body: it holds a cond,
-    loop or function call, or an op not rerun (a stateful op) on a gradient
-    path (an input tapes differentiate, float or complex, in `reached`, the
-    ids of the tensors the sources reach).
+    `ys`; None where the copies cannot stand for the body: a gradient from
+    `ys` reaches a cond, loop or function call, or an op not rerun (a
+    stateful op) with an input tapes differentiate (float or complex) in
+    `reached`, the ids of the tensors the sources reach. Such ops that no
+    gradient reaches (behind `tf.stop_gradient`) are kept (`_kept_behind_stops`).
 
     Every forward tensor is read through the default graph's capture of it:
     xs, stops and kept tensors are the boundary. The copies of ops reading
@@ -39,10 +40,10 @@ def recomputed_gradients(body_ops: Sequence[tf.Operation], reached: set, ys: lis
     graph = tf.compat.v1.get_default_graph()
     if not hasattr(graph, "capture"):  # not a function graph: no way to read the body's
         return None
-    needed = _ops_feeding(ys, body_ops)
-    if any(gradient_paths.holds_functions(op) or not _reruns(op) and any(
-            compat.is_trainable(t) and id(t) in reached for t in op.inputs) for op in needed):
+    kept = _kept_behind_stops(body_ops, reached, ys)
+    if kept is None:
         return None
+    needed = _ops_feeding(ys, [op for op in body_ops if op not in kept])
     waits = [t.op for t in tf.nest.flatten(grad_ys, expand_composites=True)]
     copies = {}
     for op in body_ops:
@@ -63,6 +64,41 @@ def recomputed_gradients(body_ops: Sequence[tf.Operation], reached: set, ys: lis
         return graph.capture(tensor) if copied is None else copied
     return compat.stock_gradients([local(y) for y in ys], [local(x) for x in xs],
                                   grad_ys=grad_ys, stop_gradients=[local(s) for s in stops])
+
+
+def _kept_behind_stops(body_ops: Sequence[tf.Operation], reached: set,
+                       ys: list) -> Optional[set]:
+    """The ops on the way to `ys` a copy cannot stand for (a cond, loop or
+    function call, or an op not rerun with an input in `reached` that tapes
+    differentiate), and those their outputs feed up to where a gradient
+    from `ys` stops (`tf.stop_gradient`, a comparison, a cast from one): all
+    kept, read from the forward graph past that stop. None if a gradient
+    reaches one of the first kind.
+
+    Read past the stop, not at the kept op: a second order differentiates
+    the forward function from what the backward one captures, and from a
+    captured `tf.py_function` output TensorFlow would build that op's
+    gradient, which raises. A `PreventGradient` among them keeps
+    TensorFlow's gradient, which raises there as stock does."""
+    needed = _ops_feeding(ys, body_ops)
+    kept = {op for op in needed if gradient_paths.holds_functions(op) or not _reruns(op) and any(
+        compat.is_trainable(t) and id(t) in reached for t in op.inputs)}
+    if not kept:
+        return kept
+    coming_back = gradient_paths.gradient_comes_back_from(body_ops, ys)
+
+    def carries_gradient(tensor):
+        return compat.is_trainable(tensor) and id(tensor) in coming_back
+
+    if any(carries_gradient(t) for op in kept for t in op.outputs):
+        return None
+    for op in body_ops:  # in creation order: inputs before readers
+        if op in needed and any(t.op in kept for t in op.inputs) and not (
+                any(carries_gradient(t) for t in op.outputs)
+                and gradient_paths.passes_gradient(op)
+                and any(compat.is_trainable(t) for t in gradient_paths.graded_inputs(op))):
+            kept.add(op)
+    return None if any(op.type == "PreventGradient" for op in kept) else kept
 
 
 def _reruns(op: tf.Operation) -> bool:
