@@ -71,34 +71,44 @@ def _kept_behind_stops(body_ops: Sequence[tf.Operation], reached: set,
     """The ops on the way to `ys` a copy cannot stand for (a cond, loop or
     function call, or an op not rerun with an input in `reached` that tapes
     differentiate), and those their outputs feed up to where a gradient
-    from `ys` stops (`tf.stop_gradient`, a comparison, a cast from one): all
-    kept, read from the forward graph past that stop. None if a gradient
-    reaches one of the first kind.
+    from `ys` stops (`tf.stop_gradient`, a comparison, a cast from one) or
+    that read nothing else in `reached` (a reduction past the stop): all
+    kept, read from the forward graph. None if a gradient reaches one of the
+    first kind, or could from what the copies read of them (below).
 
     Read past the stop, not at the kept op: a second order differentiates
-    the forward function from what the backward one captures, and from a
-    captured `tf.py_function` output TensorFlow would build that op's
-    gradient, which raises. A `PreventGradient` among them keeps
-    TensorFlow's gradient, which raises there as stock does."""
+    the forward function from every tensor the backward one captures, and
+    from a `tf.py_function`'s (or a random gamma's) own output TensorFlow
+    would build that op's gradient, which raises. A `PreventGradient` among
+    them keeps TensorFlow's gradient, which raises there as stock does."""
     needed = _ops_feeding(ys, body_ops)
-    kept = {op for op in needed if gradient_paths.holds_functions(op) or not _reruns(op) and any(
+    first = {op for op in needed if gradient_paths.holds_functions(op) or not _reruns(op) and any(
         compat.is_trainable(t) and id(t) in reached for t in op.inputs)}
-    if not kept:
-        return kept
+    if not first:
+        return first
     coming_back = gradient_paths.gradient_comes_back_from(body_ops, ys)
 
     def carries_gradient(tensor):
         return compat.is_trainable(tensor) and id(tensor) in coming_back
 
-    if any(carries_gradient(t) for op in kept for t in op.outputs):
+    if any(carries_gradient(t) for op in first for t in op.outputs):
         return None
+    kept = set(first)
     for op in body_ops:  # in creation order: inputs before readers
-        if op in needed and any(t.op in kept for t in op.inputs) and not (
-                any(carries_gradient(t) for t in op.outputs)
-                and gradient_paths.passes_gradient(op)
-                and any(compat.is_trainable(t) for t in gradient_paths.graded_inputs(op))):
+        if op not in needed or not any(t.op in kept for t in op.inputs):
+            continue
+        passes_back = (any(carries_gradient(t) for t in op.outputs)
+                       and gradient_paths.passes_gradient(op)
+                       and any(compat.is_trainable(t) for t in gradient_paths.graded_inputs(op)))
+        if not passes_back or all(t.op in kept for t in op.inputs if id(t) in reached):
             kept.add(op)
-    return None if any(op.type == "PreventGradient" for op in kept) else kept
+    read = [t for op in needed - kept for t in op.inputs if t.op in kept]
+    read += [y for y in ys if y.op in kept]
+    behind = gradient_paths.gradient_comes_back_from(list(kept), read)
+    if any(op.type == "PreventGradient" for op in kept) or any(
+            compat.is_trainable(t) and id(t) in behind for op in first for t in op.outputs):
+        return None
+    return kept
 
 
 def _reruns(op: tf.Operation) -> bool:
