@@ -625,6 +625,55 @@ def test_a_body_with_a_nonlinear_override_is_no_segment(order, monkeypatch, capl
     assert count_segments == []
 
 
+class OverriddenStop(keras.layers.Layer):
+    """A body whose tf.stop_gradient a gradient_override_map makes an
+    identity: tf.gradients follows the override, a GradientTape does not."""
+
+    def build(self, shape):
+        self.w = self.add_weight(shape=(shape[-1], 4), initializer="glorot_uniform")
+
+    def call(self, x):
+        h = tf.tanh(x @ self.w)
+        with tf.compat.v1.get_default_graph().gradient_override_map(
+                {"StopGradient": "Identity"}):
+            stopped = tf.stop_gradient(h * h)
+        return h * stopped
+
+
+class RecomputedOverriddenStop(OverriddenStop):
+    @recompute_grad
+    def call(self, x):
+        return super().call(x)
+
+
+@pytest.mark.parametrize("differentiate", ["tape", "tf.gradients"])
+def test_a_body_with_an_override_tapes_ignore_is_no_segment(differentiate, monkeypatch,
+                                                            caplog, count_segments):
+    """Found by review (session 67): the segment's gradient followed the
+    override under a tape, three times the undecorated layer's gradient."""
+    x = tf.random.stateless_normal([3, 5], seed=[1, 2])
+    grads = {}
+    monkeypatch.setattr(layer_decorator, "_logged", set())
+    for name, layer_type in (("stock", OverriddenStop), ("ours", RecomputedOverriddenStop)):
+        layer = layer_type()
+        layer.build(x.shape)
+        layer.w.assign(tf.random.stateless_normal([5, 4], seed=[3, 4]))
+
+        @tf.function
+        def step(x):
+            if differentiate == "tf.gradients":
+                return tf.gradients(tf.reduce_sum(layer(x) ** 2), [layer.w])
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(layer(x) ** 2)
+            return tape.gradient(loss, [layer.w])
+        with msg.checkpointing(), caplog.at_level(logging.WARNING, "memory_saving_gradients"):
+            grads[name] = step(x)
+    np.testing.assert_allclose(grads["ours"][0].numpy(), grads["stock"][0].numpy(),
+                               rtol=1e-5, atol=1e-6)
+    assert "by gradient_override_map" in caplog.text
+    assert count_segments == []
+
+
 def test_an_outer_layer_with_a_nonlinear_override_names_the_layers_it_holds(caplog,
                                                                            monkeypatch):
     """Decorated layers called inside a decorated layer build plainly (the outer

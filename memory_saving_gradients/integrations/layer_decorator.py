@@ -258,21 +258,14 @@ def _call_as_segment(call: Callable, layer: keras.layers.Layer, args: tuple,
                   f"recomputed segment; TensorFlow differentiates it as it is. Pass the "
                   f"tensor as an argument of call to recompute the layer")
         return made
-    if not gradient_linearity.overrides_linear(
-            body_ops, lambda op: gradient_reads.gradient_reads(op).linear):
-        # A second order through the boundary would reach the override in two
-        # parts (through our gradient's copies and through the boundary's own
-        # gradient) and apply it to each: clip(a) + clip(b), not clip(a + b).
-        # The body's own outputs bypass the boundary, left unread; the
-        # rewrite outside keeps such overrides' ops (stock gradients there).
+    plain = _why_built_plainly(body_ops, coming_back)
+    if plain:
         name, inner = type(layer).__name__, sorted(_building.inner)
         inside = (f"; the @recompute_grad layers it calls ({', '.join(inner)}) built "
                   f"plainly inside it, so none of them is a segment either: to recompute "
                   f"those that hold no such override, leave {name} undecorated"
                   if inner else "")
-        _log_once(f"{name}: its call holds a gradient override that is not linear in the "
-                  f"incoming gradient (a clipping tf.custom_gradient?), so it is not a "
-                  f"recomputed segment (a second order through one would be wrong); "
+        _log_once(f"{name}: its call holds {plain}, so it is not a recomputed segment; "
                   f"TensorFlow differentiates it as it is{inside}")
         return made
     sources = inputs + closures
@@ -311,6 +304,30 @@ def _call_as_segment(call: Callable, layer: keras.layers.Layer, args: tuple,
         else:
             parts.append(part)
     return tf.nest.pack_sequence_as(made, parts, expand_composites=True)
+
+
+def _why_built_plainly(body_ops: list, coming_back: Callable[[], set]) -> str:
+    """What in the body a segment's gradient could not differentiate as
+    stock does ('' if nothing), for a gradient override on the way back."""
+    for op in body_ops:
+        override = compat.override_tapes_ignore(op)
+        if override is not None and any(id(t) in coming_back() for t in op.outputs):
+            # The segment's gradient is built by tf.gradients, which follows
+            # the override, whoever asks: a tape differentiating the plain
+            # body would not.
+            return (f"{op.name} ({op.type}), given the gradient {override} by "
+                    f"gradient_override_map, which tf.gradients uses and a GradientTape "
+                    f"ignores")
+    if not gradient_linearity.overrides_linear(
+            body_ops, lambda op: gradient_reads.gradient_reads(op).linear):
+        # A second order through the boundary would reach the override in two
+        # parts (through our gradient's copies and through the boundary's own
+        # gradient) and apply it to each: clip(a) + clip(b), not clip(a + b).
+        # The body's own outputs bypass the boundary, left unread; the
+        # rewrite outside keeps such overrides' ops (stock gradients there).
+        return ("a gradient override that is not linear in the incoming gradient (a "
+                "clipping tf.custom_gradient?), through which a second order would be wrong")
+    return ""
 
 
 def _built_body(graph, call: Callable, layer, call_args: tuple, call_kwargs: dict) -> tuple:

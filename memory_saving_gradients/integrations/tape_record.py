@@ -108,10 +108,10 @@ def unrecorded_path(recorded, ops):
             return (f"op {op.name} ({op.type}) between sources and target was created "
                     f"outside the tape's recording (before the tape, under stop_recording, "
                     f"by tf.stop_gradient or import_graph_def)")
-        override = op.node_def.attr.get("_gradient_op_type")
-        if override is not None and not override.s.startswith(b"CustomGradient"):
+        override = compat.override_tapes_ignore(op)
+        if override is not None:
             return (f"op {op.name} ({op.type}) has a gradient_override_map gradient "
-                    f"({override.s.decode()}), which the tape does not use")
+                    f"({override}), which the tape does not use")
     return None
 
 

@@ -51,6 +51,16 @@ def gradient_overridden(op: tf.Operation) -> bool:
     return "_gradient_op_type" in op.node_def.attr
 
 
+def override_tapes_ignore(op: tf.Operation) -> str | None:
+    """The name of the gradient a gradient_override_map gave `op`, where a
+    GradientTape ignores it (tf.gradients uses it); None if it has none, or
+    it is a `tf.custom_gradient`'s, which tapes record too."""
+    override = op.node_def.attr.get("_gradient_op_type")
+    if override is None or override.s.startswith(b"CustomGradient"):
+        return None
+    return override.s.decode()
+
+
 def creation_id(op: tf.Operation) -> int:
     """A number that grows with op creation within a graph."""
     return op._id  # pylint: disable=protected-access
