@@ -15,6 +15,7 @@ import threading
 import tensorflow as tf
 
 from memory_saving_gradients import arguments
+from memory_saving_gradients.core import peak_breakdown
 from memory_saving_gradients.core import planning
 from memory_saving_gradients.core import timeline
 from memory_saving_gradients.core import strategies
@@ -51,6 +52,9 @@ class CheckpointPlan:
       plan, model: the core's plan and graph model, for inspection.
       feasible: False when the strategy could not meet its own target.
       result: the strategy's Result (chosen tensor names, plan, estimate).
+      peak, stock_peak: where the plan's and tf.gradients' activation peaks
+        fall and what holds them (`peak_breakdown.PeakBreakdown`; made by
+        `checkpoint_plan` only).
     """
     mode: str
     checkpoints: tuple
@@ -64,6 +68,8 @@ class CheckpointPlan:
     reading: reading.Reading = dataclasses.field(repr=False)
     feasible: bool = True
     result: strategies.Result = dataclasses.field(default=None, repr=False)
+    peak: peak_breakdown.PeakBreakdown = dataclasses.field(default=None, repr=False)
+    stock_peak: peak_breakdown.PeakBreakdown = dataclasses.field(default=None, repr=False)
 
     def __str__(self):
         est = self.estimate
@@ -80,6 +86,9 @@ class CheckpointPlan:
             lines.append(
                 f"as the allocator counts it (whole chunks): {est.allocator_peak_bytes / 2**20:.1f}"
                 f" MiB vs {est.allocator_baseline_bytes / 2**20:.1f} MiB for tf.gradients")
+        if self.peak is not None:
+            lines += [f"activation peak: {self.peak.describe()}",
+                      f"tf.gradients' activation peak: {self.stock_peak.describe()}"]
         lines += [f"checkpoint: {t.name} {t.shape} {t.dtype.name}" for t in self.checkpoints]
         lines += [f"note: {n}" for n in self.notes]
         if not self.feasible:
@@ -190,9 +199,11 @@ def checkpoint_plan(ys, xs, checkpoints="memory"):
     """
     ys, xs, _ = arguments.normalise(ys, xs, None)
     report = _plan(ys, _sources(ys[0].graph, xs)[2], checkpoints)
-    # Only here (not in `gradients`): the allocator replay costs about a plan's pricing.
-    return dataclasses.replace(report, estimate=timeline.with_allocator_peaks(
-        report.model, report.plan, report.estimate))
+    # Only here (not in `gradients`): each replay costs about a plan's pricing.
+    return dataclasses.replace(
+        report, estimate=timeline.with_allocator_peaks(report.model, report.plan, report.estimate),
+        peak=peak_breakdown.peak_breakdown(report.model, report.plan),
+        stock_peak=peak_breakdown.peak_breakdown(report.model))
 
 
 def validate_checkpoints(checkpoints) -> str:

@@ -206,6 +206,40 @@ def activation_peak(model: GraphModel, plan: Optional[Plan] = None) -> int:
     return _without_weight_gradients(_replayed(model, plan))
 
 
+class ActivationTimeline:
+    """The activations' bytes at each step of a replayed step (weight
+    gradients left out, as `activation_peak` leaves them out), what ran in
+    each step and what was alive then.
+
+    Attributes:
+      live: bytes alive at each step (a NumPy array); its max is
+        `activation_peak(model, plan)`.
+      running: step -> (what ran: "forward" | "recompute" | "gradient", op
+        name, phase: "forward pass", "backprop" (tf.gradients), "tail" (a
+        plan's gradients above its checkpoints) or the plan's level number,
+        0 nearest the inputs and differentiated last).
+    """
+
+    def __init__(self, model: GraphModel, plan: Optional[Plan] = None):
+        self._replay = _replayed(model, plan)
+        self._weights = frozenset(self._replay.weight_keys)
+        self.live = self._replay._live(self._weights)  # pylint: disable=protected-access
+        self.running = self._replay.running
+
+    def contents(self, step: int) -> tuple:
+        """(the buffers alive at `step` as (key, bytes), its scratch bytes);
+        they sum to `live[step]`. A key says what its buffer is: ("fwd",
+        tensor) a forward tensor still held, ("copy", level, tensor) a
+        recomputed one, ("grad", op, tensor) and ("sum", tensor) gradients,
+        ("early", op) gradient parts made in the forward pass; loops' kept
+        states have keys of their own (`LoopEvents`)."""
+        replay = self._replay
+        buffers = [(key, size) for key, (start, size) in replay.born.items()
+                   if size and key not in self._weights
+                   and start <= step <= replay.last_use[key]]
+        return buffers, sum(size for at, size in replay.transient if at == step)
+
+
 def _replayed(model, plan, stock_parts=None):
     """The replay of `plan` (stock tf.gradients': None), run."""
     stock = _is_stock(plan)
@@ -273,6 +307,8 @@ class _Replay(LoopEvents):
         self.scratch_forwards = []  # (step, `transient` index, [(candidate key, bytes)])
         self.recompute_flops = 0
         self.largest_level_bytes = 0
+        self.running = {}  # step -> (what ran, op, phase): `ActivationTimeline.running`
+        self.phase = "forward pass"
 
     def run(self, levels):
         """Replays forward and backprop under `levels`; returns the activation peak."""
@@ -282,6 +318,7 @@ class _Replay(LoopEvents):
         kept_roots = {model.op_of(c) for level in levels for c in level.checkpoints} - copied
         self.copied = copied
         self._forward_pass()
+        self.phase = "tail" if levels else "backprop"
         tail = [op for op in order if op not in copied and op not in kept_roots]
         if self.stock_parts is not None and not levels:
             self._backward_parts(self.stock_parts)
@@ -299,7 +336,7 @@ class _Replay(LoopEvents):
         done = op_table.per_model(self.model, "forward_pass", _forward_pass_of)
         self.born, self.last_use = dict(done.born), dict(done.last_use)
         self.alias, self.transient = dict(done.alias), list(done.transient)
-        self.forwards = list(done.forwards)
+        self.forwards, self.running = list(done.forwards), dict(done.running)
         for number, op in enumerate(op_order(self.model), start=1):
             if op in self.model.loops:
                 self.step = number  # the step the loop ran at
@@ -309,6 +346,8 @@ class _Replay(LoopEvents):
     def _forward(self, op, source, where):
         """Runs `op` (an original or a copy): allocates its outputs, reads its inputs."""
         self.step += 1
+        self.running[self.step] = ("forward" if where == ("fwd",) else "recompute", op,
+                                   self.phase)
         row = self.rows[op]
         self._use_all(map(source, row.inputs))
         if where != ("fwd",) and op in self.model.loops and self._reuses_forward(op):
@@ -351,6 +390,7 @@ class _Replay(LoopEvents):
     def _level(self, number, level, kept_roots):
         """One level: its copies that are needed, then the gradients of its ops."""
         model = self.model
+        self.phase = number
         running = _needed_copies(model, level.copy_ops)
         where = ("copy", number)
         local = set(o for op in running for o in model.op_outputs[op])
@@ -407,6 +447,7 @@ class _Replay(LoopEvents):
             if op in rerun_first:
                 rerun_first[op](op)
             self.step += 1
+            self.running[self.step] = ("gradient", op, self.phase)
             row = rows[op]
             source = sources.get(op)
             # Output -> its gradient, if that came in one piece (then passed on, or
@@ -434,6 +475,7 @@ class _Replay(LoopEvents):
             if weights_first:
                 self._weight_gradient(op)
                 self.step += 1  # the input gradient: after what only the weights' read is free
+                self.running[self.step] = ("gradient", op, self.phase)
                 self._use_all(incoming)
                 self._scratch(self.workspace.get(op, 0))  # either kernel's: the larger
             step = self.step
@@ -475,6 +517,7 @@ class _Replay(LoopEvents):
         held = {}  # op -> its output gradients' keys, for its part still to run
         for op, part in parts:
             self.step += 1
+            self.running[self.step] = ("gradient", op, self.phase)
             row = rows[op]
             if op not in held:
                 held[op] = self._summed(row.outputs)
