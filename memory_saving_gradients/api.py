@@ -15,6 +15,7 @@ import threading
 import tensorflow as tf
 
 from memory_saving_gradients import arguments
+from memory_saving_gradients.core import budgets
 from memory_saving_gradients.core import peak_breakdown
 from memory_saving_gradients.core import planning
 from memory_saving_gradients.core import timeline
@@ -26,6 +27,7 @@ from memory_saving_gradients.tfgraph import loop_chunks
 from memory_saving_gradients.tfgraph import op_kinds
 from memory_saving_gradients.tfgraph import reading
 from memory_saving_gradients.tfgraph import rewrite
+from memory_saving_gradients.tfgraph import sized_shapes
 
 logger = logging.getLogger("memory_saving_gradients")
 
@@ -141,17 +143,18 @@ def gradients_in_region(ys, xs, grad_ys, checkpoints, region_bound, **kwargs):
                                       unconnected_gradients=unconnected, **tf_kwargs)
     graph = ys[0].graph
     local, entries, sources = _sources(graph, xs)
-    report = _plan(ys, sources, checkpoints, region_bound)
-    logger.info("memory_saving_gradients: %s", str(report).replace("\n", "; "))
-    with graph.name_scope(name):
-        found = rewrite.backprop(report.reading, report.plan, ys, sources, grad_ys, stops,
-                                 tf_kwargs, unconnected)
-        by_x = dict(zip(map(id, local), found))
-        outer = [x for x in xs if x.graph is not graph]
-        if outer:
-            by_x.update(zip(map(id, outer), captures.beyond(
-                entries, found[len(local):], outer, unconnected, stops)))
-        return [by_x[id(x)] for x in xs]
+    with _sized_for(checkpoints):  # the rewrite's batch parts as the plan priced them
+        report = _plan(ys, sources, checkpoints, region_bound)
+        logger.info("memory_saving_gradients: %s", str(report).replace("\n", "; "))
+        with graph.name_scope(name):
+            found = rewrite.backprop(report.reading, report.plan, ys, sources, grad_ys, stops,
+                                     tf_kwargs, unconnected)
+            by_x = dict(zip(map(id, local), found))
+            outer = [x for x in xs if x.graph is not graph]
+            if outer:
+                by_x.update(zip(map(id, outer), captures.beyond(
+                    entries, found[len(local):], outer, unconnected, stops)))
+            return [by_x[id(x)] for x in xs]
 
 
 def _recorded(ys, grad_ys) -> bool:
@@ -198,7 +201,8 @@ def checkpoint_plan(ys, xs, checkpoints="memory"):
       >>> print(memory_saving_gradients.checkpoint_plan(loss, model.weights))
     """
     ys, xs, _ = arguments.normalise(ys, xs, None)
-    report = _plan(ys, _sources(ys[0].graph, xs)[2], checkpoints)
+    with _sized_for(checkpoints):
+        report = _plan(ys, _sources(ys[0].graph, xs)[2], checkpoints)
     # Only here (not in `gradients`): each replay costs about a plan's pricing.
     return dataclasses.replace(
         report, estimate=timeline.with_allocator_peaks(report.model, report.plan, report.estimate),
@@ -236,6 +240,13 @@ def weight_gradients_taken():
         yield
     finally:
         _taken.depth -= 1
+
+
+def _sized_for(checkpoints):
+    """Where `checkpoints` is a budget given a batch size, a context in which
+    the graph's unknown dimensions count as that size (`budgets.Budget`)."""
+    size = checkpoints.batch_size if isinstance(checkpoints, budgets.Budget) else None
+    return contextlib.nullcontext() if size is None else sized_shapes.unknown_dims_as(size)
 
 
 def _plan(ys, xs, checkpoints, region_bound=None):

@@ -9,6 +9,7 @@ accepted wherever ``checkpoints=`` is.
 import dataclasses
 import math
 import numbers
+from typing import Optional
 
 from memory_saving_gradients.core import op_table
 from memory_saving_gradients.core import strategies
@@ -39,18 +40,32 @@ class Budget:
     (`checkpoint_plan(...).estimate.allocator_peak_bytes`); it is never below
     the bytes the ops request (`estimate.peak_bytes`), the peak of CPU's
     default allocator, so a plan within the budget fits that one too.
+
+    `batch_size`: for a step traced with its batch unknown (Keras `fit` on
+    arrays whose length is not a multiple of its batch size, or on a dataset
+    batched without drop_remainder), the largest batch it runs: each
+    dimension of the step's inputs unknown when traced counts as that many
+    when the graph is read (`sized_shapes.unknown_dims_as`), so the budget
+    holds for batches up to it. Without it such a step is refused.
     """
     max_bytes: float
+    batch_size: Optional[int] = None
 
     def __post_init__(self):
         value = _real(self.max_bytes, "budget(max_bytes)", "a number of bytes")
         if not math.isfinite(value) or value <= 0:
             raise ValueError(f"budget(max_bytes) must be a positive, finite number of "
                              f"bytes, got {value!r}")
+        size = self.batch_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, numbers.Integral)
+                                 or size <= 0):
+            raise ValueError(f"budget(batch_size=...) must be a positive whole number of "
+                             f"examples (the largest batch the step runs), got {size!r}")
 
     @property
     def __name__(self):
-        return f"budget({self.max_bytes / 2**20:.2f} MiB)"
+        batch = "" if self.batch_size is None else f", batch_size={self.batch_size}"
+        return f"budget({self.max_bytes / 2**20:.2f} MiB{batch})"
 
     def __call__(self, model) -> strategies.Result:
         """The plan; ValueError naming the smallest feasible budget if none fits.
@@ -60,12 +75,19 @@ class Budget:
         (`strategies.allocator_peak`, about four predictions' cost): the
         least-recompute search re-solves tighter when the replay overshoots.
         """
-        if model.unsized:
+        if model.unsized and self.batch_size is None:
             raise ValueError(
                 f"{self.__name__} cannot be checked on this graph: "
                 f"{strategies.unsized_activations(model)}, so their bytes are not known: "
-                f"{strategies.STATIC_BATCH}, or use a mode ('memory', 'speed') or "
+                f"give the largest batch the step runs, budget(max_bytes, batch_size=n), "
+                f"or {strategies.STATIC_BATCH}, or use a mode ('memory', 'speed') or "
                 f"memory_within(slack)")
+        if model.unsized and model.unknown_dim_size != self.batch_size:
+            raise ValueError(
+                f"{self.__name__} was given batch_size={self.batch_size}, but this graph "
+                f"was read with its unknown dimensions as {model.unknown_dim_size}: pass "
+                f"the budget as checkpoints= to memory_saving_gradients' gradients, "
+                f"checkpoint_plan or an integration, which read the graph for it")
 
         def peak(result):
             return strategies.allocator_peak(model, result)
@@ -223,12 +245,15 @@ def memory_within(slack) -> MemoryWithin:
     return MemoryWithin(slack)
 
 
-def budget(max_bytes) -> Budget:
+def budget(max_bytes, batch_size=None) -> Budget:
     """A checkpoints strategy: least recompute whose predicted activation peak
-    (as a BFC allocator counts it) fits.
+    (as a BFC allocator counts it) fits; `batch_size`, the largest batch of a
+    step traced with its batch unknown (`Budget`).
 
     Example:
       >>> grads = memory_saving_gradients.gradients(
       ...     loss, params, checkpoints=memory_saving_gradients.budget(200 * 2**20))
+      >>> model.fit(x, y, batch_size=64, callbacks=[memory_saving_gradients.keras.Checkpointing(
+      ...     memory_saving_gradients.budget(200 * 2**20, batch_size=64))])
     """
-    return Budget(max_bytes)
+    return Budget(max_bytes, batch_size)

@@ -208,11 +208,14 @@ class GraphModel:
       unsized: activation name -> its static shape, as text, for activations
         whose shape leaves a dimension unknown when traced (a batch of a
         dataset batched without drop_remainder); their `bytes` count each
-        unknown dimension of the step's inputs as `UNKNOWN_DIM_SIZE`.
+        unknown dimension of the step's inputs as `unknown_dim_size`.
       weight_gradients_taken: an optimizer in the same graph takes each weight
         gradient as it is made (Keras's `fit`), so the step's peak is the one
         `timeline.activation_peak` counts, not the one with every weight
         gradient held to the end; `"memory"` ranks its plans by it.
+      unknown_dim_size: what each unknown dimension of the step's inputs
+        counts as in `bytes`: `UNKNOWN_DIM_SIZE` unless the graph was read
+        for a size the user gave (`budget(max_bytes, batch_size=n)`).
     """
     graph: nx.DiGraph
     tensors: Mapping[str, Activation]
@@ -251,6 +254,7 @@ class GraphModel:
     deferred_weight_gradient_types: frozenset[str] = frozenset()
     unsized: Mapping[str, str] = dataclasses.field(default_factory=dict)
     weight_gradients_taken: bool = False
+    unknown_dim_size: int = UNKNOWN_DIM_SIZE
 
     def scaled(self, factor: int) -> "GraphModel":
         """This model with its `unsized` activations `factor` times their bytes:

@@ -30,8 +30,7 @@ from memory_saving_gradients.core import op_table
 from memory_saving_gradients.core import planning
 from memory_saving_gradients.core import pricing
 from memory_saving_gradients.core import solvers
-from memory_saving_gradients.core.model import (UNKNOWN_DIM_CHOICE_SCALE, UNKNOWN_DIM_SIZE,
-                                                 GraphModel)
+from memory_saving_gradients.core.model import UNKNOWN_DIM_CHOICE_SCALE, GraphModel
 
 logger = logging.getLogger(__name__)
 
@@ -472,8 +471,8 @@ def for_any_batch(model: GraphModel, strategy) -> Result:
         plan, estimate = _priced(model, frozenset(large.chosen), large.plan.loops)
     notes = (f"chosen with the activations of unknown size weighing "
              f"{UNKNOWN_DIM_CHOICE_SCALE}x (a batch of "
-             f"{UNKNOWN_DIM_CHOICE_SCALE * UNKNOWN_DIM_SIZE}), as are the sizes in the notes "
-             f"that follow; the prediction is at {UNKNOWN_DIM_SIZE}",) + large.notes
+             f"{UNKNOWN_DIM_CHOICE_SCALE * model.unknown_dim_size}), as are the sizes in the "
+             f"notes that follow; the prediction is at {model.unknown_dim_size}",) + large.notes
     plan = dataclasses.replace(plan, strategy=large.strategy, notes=notes)
     return dataclasses.replace(large, plan=plan, estimate=estimate, notes=notes)
 
@@ -482,7 +481,8 @@ def unsized_note(model: GraphModel) -> str:
     """Says which sizes a plan assumed, for a model with `unsized` activations
     (whatever chose it: `for_any_batch`'s own note says when that was 16x)."""
     return (f"{unsized_activations(model)}; each unknown dimension of the step's inputs "
-            f"(and of function calls' and loops' outputs) is counted as {UNKNOWN_DIM_SIZE}, "
+            f"(and of function calls' and loops' outputs) is counted as "
+            f"{model.unknown_dim_size}, "
             f"TensorFlow's shape functions sizing the rest, so predicted bytes are for that "
             f"size. For a plan sized to your batch, {STATIC_BATCH}")
 

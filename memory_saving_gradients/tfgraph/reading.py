@@ -30,6 +30,7 @@ from memory_saving_gradients.tfgraph import identity_folding
 from memory_saving_gradients.tfgraph import loop_memory
 from memory_saving_gradients.tfgraph import loops
 from memory_saving_gradients.tfgraph import op_kinds
+from memory_saving_gradients.tfgraph import sized_shapes
 from memory_saving_gradients.tfgraph import conv_gradients
 from memory_saving_gradients.tfgraph import grouped_conv_calls
 from memory_saving_gradients.tfgraph import transposed_copies
@@ -265,7 +266,7 @@ def build_model(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor],
     graph.add_edges_from(edges)
     model = GraphModel(
         graph=graph, tensors=tensors, pinned=frozenset(pinned),
-        unsized=_unsized(units, tensors),
+        unsized=_unsized(units, tensors), unknown_dim_size=sized_shapes.assumed_size(),
         order=tuple(tensors),
         ys=tuple(y.name for y in ys if y.name in activations),
         op_outputs=op_outputs, other_bytes=other_bytes, num_region_ops=len(ops),

@@ -10,7 +10,8 @@ counts as `UNKNOWN_DIM_SIZE`, and the shapes that follow from them are
 TensorFlow's own: its shape functions run on a scratch copy of the graph's
 ops made from inputs of those sizes. A dense layer's input reshaped to
 batch x tokens rows (one unknown dimension in the graph) is 32 x tokens rows
-there, not 32.
+there, not 32. A caller that knows the size (`budget(max_bytes, batch_size=n)`)
+reads and rewrites a graph under `unknown_dims_as(n)` instead.
 
 Ops whose copy TensorFlow cannot make or infer (function calls, control flow)
 give outputs of their own static shapes with each unknown dimension at
@@ -19,6 +20,8 @@ give outputs of their own static shapes with each unknown dimension at
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import weakref
 
 import tensorflow as tf
@@ -37,25 +40,51 @@ _NOT_COPIED = frozenset({
 
 
 def sized_dims(t: tf.Tensor):
-    """`t`'s dimensions with each unknown one as the planner assumes it; None
-    for an unknown rank. Fully known shapes are returned as they are."""
+    """`t`'s dimensions with each unknown one as the planner assumes it
+    (`assumed_size`); None for an unknown rank. Fully known shapes are
+    returned as they are."""
     shape = t.shape
     if shape.rank is None:
         return None
     if shape.is_fully_defined():
         return shape.as_list()
-    copy = _latest.get(t.graph)
+    size = assumed_size()
+    latest = _latest.setdefault(t.graph, {})
+    copy = latest.get(size)
     if copy is None or not copy.knows(t):  # brought up to date only then: O(graph)
-        copy = _latest[t.graph] = graph_cache.per_graph(t.graph, SizedCopy)
+        copy = latest[size] = graph_cache.per_graph(t.graph, _sized_copy_kind(size))
     return copy.dims(t)
 
 
-# graph -> its SizedCopy as last brought up to date, asked first.
-_latest: "weakref.WeakKeyDictionary[tf.Graph, SizedCopy]" = weakref.WeakKeyDictionary()
+@contextlib.contextmanager
+def unknown_dims_as(size: int):
+    """Within (in this thread), each unknown dimension of a step's inputs
+    counts as `size` instead of `UNKNOWN_DIM_SIZE`."""
+    before = assumed_size()
+    _assumed_here.size = size
+    try:
+        yield
+    finally:
+        _assumed_here.size = before
 
 
-def _assumed(shape: tf.TensorShape) -> list:
-    return [d if d is not None else UNKNOWN_DIM_SIZE for d in shape.as_list()]
+def assumed_size() -> int:
+    """What an unknown dimension of a step's inputs counts as here and now."""
+    return getattr(_assumed_here, "size", UNKNOWN_DIM_SIZE)
+
+
+# Per thread (tf.distribute's replicas trace in threads): `unknown_dims_as`'s size.
+_assumed_here = threading.local()
+# graph -> {assumed size: its SizedCopy as last brought up to date}, asked first.
+_latest: "weakref.WeakKeyDictionary[tf.Graph, dict]" = weakref.WeakKeyDictionary()
+# assumed size -> the SizedCopy kind `graph_cache` keeps one scan of per graph.
+_kinds: dict = {}
+
+
+def _sized_copy_kind(size: int) -> type:
+    if size not in _kinds:
+        _kinds[size] = type(f"SizedCopy{size}", (SizedCopy,), {"size": size})
+    return _kinds[size]
 
 
 class SizedCopy:
@@ -69,7 +98,10 @@ class SizedCopy:
     gives its outputs' shapes once per kind of op, attributes and input
     shapes (a thousand identical blocks: one copy). Integer tensors (a shape
     computed with `tf.shape`, constants) are copied op by op, as TensorFlow's
-    shape functions read their values."""
+    shape functions read their values. Each unknown dimension of the step's
+    inputs is `size` (one subclass per size: `_sized_copy_kind`)."""
+
+    size = UNKNOWN_DIM_SIZE
 
     def __init__(self, graph: tf.Graph):
         self._scratch = tf.Graph()
@@ -90,7 +122,7 @@ class SizedCopy:
     def dims(self, t: tf.Tensor):
         """`sized_dims` of `t`, a tensor of the graph."""
         copy = self._copies.get(t.name)
-        return _assumed(copy.shape if copy is not None else t.shape)
+        return self._assumed(copy.shape if copy is not None else t.shape)
 
     def _copy_with_inputs(self, op: tf.Operation) -> None:
         """Copies `op` after the inputs it needs copied (`_copied_input`),
@@ -134,11 +166,11 @@ class SizedCopy:
                 copy = compat.create_op_copy(self._scratch, op, inputs, keep_shapes=True)
                 for new in copy.outputs:
                     if new.shape.rank is not None:
-                        new.set_shape(_assumed(new.shape))
+                        new.set_shape(self._assumed(new.shape))
                 return copy.outputs
             except (ValueError, TypeError, tf.errors.OpError):
                 pass
-        return [self._placeholder(o.dtype, None if o.shape.rank is None else _assumed(o.shape))
+        return [self._placeholder(o.dtype, None if o.shape.rank is None else self._assumed(o.shape))
                 for o in op.outputs]
 
     def _input(self, t: tf.Tensor) -> tf.Tensor:
@@ -146,7 +178,10 @@ class SizedCopy:
         (unknown dimensions assumed)."""
         if t.name in self._copies:
             return self._copies[t.name]
-        return self._placeholder(t.dtype, None if t.shape.rank is None else _assumed(t.shape))
+        return self._placeholder(t.dtype, None if t.shape.rank is None else self._assumed(t.shape))
+
+    def _assumed(self, shape: tf.TensorShape) -> list:
+        return [d if d is not None else self.size for d in shape.as_list()]
 
     def _placeholder(self, dtype, dims) -> tf.Tensor:
         key = (dtype, None if dims is None else tuple(dims))
