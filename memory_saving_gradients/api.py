@@ -88,9 +88,12 @@ class CheckpointPlan:
             lines.append(
                 f"as the allocator counts it (whole chunks): {est.allocator_peak_bytes / 2**20:.1f}"
                 f" MiB vs {est.allocator_baseline_bytes / 2**20:.1f} MiB for tf.gradients")
-        if self.peak is not None:
-            lines += [f"activation peak: {self.peak.describe()}",
-                      f"tf.gradients' activation peak: {self.stock_peak.describe()}"]
+        # Not `est.peak_bytes` (the step's peak less every weight gradient):
+        # the activations' own peak, each weight gradient left out while it lives.
+        for whose, breakdown in (("", self.peak), ("tf.gradients' ", self.stock_peak)):
+            if breakdown is not None:
+                lines.append(f"{whose}peak of activations alone (weight gradients left out "
+                             f"while they live): {breakdown.describe()}")
         lines += [f"checkpoint: {t.name} {t.shape} {t.dtype.name}" for t in self.checkpoints]
         lines += [f"note: {n}" for n in self.notes]
         if not self.feasible:

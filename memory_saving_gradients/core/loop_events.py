@@ -109,14 +109,14 @@ class LoopEvents:
                 rerun_stacks -= self.born[last_chunk][1]
             self._scratch(rerun_stacks + loop_chunking.rewritten_bytes(loop)
                           + loop_chunking.gradient_scratch_bytes(loop, chunk=True)
-                          + (loop_chunking.boundary_bytes(loop) if chain else 0))
+                          + (loop_chunking.boundary_bytes(loop) if chain else 0), "loop")
             self._run_ahead(op, where + ("chunk",), loop,
                             min(loop.chunk_size, loop_chunking.trips(loop)), stacks, True)
             runs = 2 if chain else 1
             self.recompute_flops += runs * self.tensors[self.model.op_outputs[op][0]].cost
         else:
             self._use(("loop", where, op))
-            self._scratch(loop_chunking.gradient_scratch_bytes(loop, chunk=False))
+            self._scratch(loop_chunking.gradient_scratch_bytes(loop, chunk=False), "loop")
 
 
 def _last_chunk(where, op):

@@ -2,9 +2,9 @@
 
 No TensorFlow. A plan that saves little leaves a user asking why: the answer
 is the step of the peak (the op running) and the buffers alive then, by
-kind. When the peak is a gradient op's own reads and results (a large early
-layer's recomputed output and its gradients), no choice of checkpoints
-lowers it; a smaller batch per step does (gradient accumulation).
+kind. Where the peak is a large layer's recomputed tensors and their
+gradients, other checkpoints change little there; a smaller batch per step
+does (gradient accumulation).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from memory_saving_gradients.core.planning import Plan
 
 # Buffer kinds, in the order they are reported.
 KINDS = ("kept from the forward pass", "recomputed", "gradient", "loop state",
-         "kernel scratch")
+         "loop scratch", "kernel scratch")
 _RUNNING = {"forward": "running {}", "recompute": "recomputing {}",
             "gradient": "differentiating {}"}
 
@@ -44,7 +44,7 @@ class PeakBreakdown:
       buffers: the buffers alive then, largest first; they sum to `bytes`.
       near: (bytes, running) of the highest step of each other phase (the
         forward pass, the tail, each level) within `NEAR` of the peak,
-        highest first: lowering the peak would lower them too.
+        highest first: lowering the peak alone would leave these about as high.
     """
     bytes: int
     running: str
@@ -61,12 +61,14 @@ class PeakBreakdown:
     def describe(self, largest: int = 3) -> str:
         """One line: the peak, when, its bytes by kind, its `largest` buffers
         and the other phases near it."""
-        kinds = ", ".join(f"{kind} {_mib(size)}" for kind, size in self.bytes_by_kind().items())
-        top = ", ".join(f"{b.kind} {b.name} ({_mib(b.bytes)})" for b in self.buffers[:largest])
-        line = f"{_mib(self.bytes)} while {self.running}: {kinds}; largest: {top}"
+        if not self.buffers:
+            return f"{_size(self.bytes)}: nothing is alive"
+        kinds = ", ".join(f"{kind} {_size(size)}" for kind, size in self.bytes_by_kind().items())
+        top = ", ".join(f"{b.kind} {b.name} ({_size(b.bytes)})" for b in self.buffers[:largest])
+        line = f"{_size(self.bytes)} while {self.running}: {kinds}; largest: {top}"
         if self.near:
             line += "; about as high: " + ", ".join(
-                f"{_mib(size)} while {running}" for size, running in self.near)
+                f"{_size(size)} while {running}" for size, running in self.near)
         return line
 
 
@@ -80,16 +82,15 @@ def peak_breakdown(model: GraphModel, plan: Optional[Plan] = None) -> PeakBreakd
 
     Example: on a chain whose first layer is the largest, the peak of a
     'memory' plan is where that layer is differentiated, held by its
-    recomputed input and the gradients in flight there; a plan keeping more
-    checkpoints above it, no higher, is reported as about as high there.
+    recomputed tensors and the gradients in flight there.
     """
     steps = timeline.ActivationTimeline(model, plan)
     live = steps.live
     peak = int(live.argmax())
     buffers, scratch = steps.contents(peak)
     described = [_describe(key, size) for key, size in buffers]
-    if scratch:
-        described.append(Buffer("kernel scratch", "of that step", scratch))
+    described += [Buffer(f"{kind} scratch", "in that step", size)
+                  for kind, size in scratch.items()]
     described.sort(key=lambda b: -b.bytes)
     highest = {}  # phase -> its highest step
     for step, (_, _, phase) in steps.running.items():
@@ -98,7 +99,7 @@ def peak_breakdown(model: GraphModel, plan: Optional[Plan] = None) -> PeakBreakd
     peak_phase = steps.running[peak][2] if peak in steps.running else None
     near = sorted(((int(live[step]), _running(steps.running[step]))
                    for phase, step in highest.items()
-                   if phase != peak_phase and live[step] >= (1 - NEAR) * live[peak]),
+                   if phase != peak_phase and live[step] >= (1 - NEAR) * live[peak] > 0),
                   reverse=True)
     return PeakBreakdown(int(live[peak]), _running(steps.running.get(peak)),
                          tuple(described), tuple(near))
@@ -114,7 +115,7 @@ def _running(running) -> str:
 
 
 def _describe(key: tuple, size: int) -> Buffer:
-    """The `Buffer` a replay's buffer key names (`timeline.activation_peak_contents`)."""
+    """The `Buffer` a replay's buffer key names (`timeline.ActivationTimeline.contents`)."""
     kind = key[0]
     if kind == "fwd":
         return Buffer("kept from the forward pass", key[1], size)
@@ -128,5 +129,7 @@ def _describe(key: tuple, size: int) -> Buffer:
     return Buffer("loop state", f"of {loop}", size)
 
 
-def _mib(size: int) -> str:
-    return f"{size / 2**20:.1f} MiB"
+def _size(size: int) -> str:
+    if size >= 2**20:
+        return f"{size / 2**20:.1f} MiB"
+    return f"{size / 2**10:.1f} KiB" if size >= 2**10 else f"{size} bytes"

@@ -217,7 +217,8 @@ class ActivationTimeline:
       running: step -> (what ran: "forward" | "recompute" | "gradient", op
         name, phase: "forward pass", "backprop" (tf.gradients), "tail" (a
         plan's gradients above its checkpoints) or the plan's level number,
-        0 nearest the inputs and differentiated last).
+        0 nearest the inputs and differentiated last). An op no gradient
+        reaches takes its step with nothing run.
     """
 
     def __init__(self, model: GraphModel, plan: Optional[Plan] = None):
@@ -227,17 +228,38 @@ class ActivationTimeline:
         self.running = self._replay.running
 
     def contents(self, step: int) -> tuple:
-        """(the buffers alive at `step` as (key, bytes), its scratch bytes);
-        they sum to `live[step]`. A key says what its buffer is: ("fwd",
-        tensor) a forward tensor still held, ("copy", level, tensor) a
-        recomputed one, ("grad", op, tensor) and ("sum", tensor) gradients,
-        ("early", op) gradient parts made in the forward pass; loops' kept
-        states have keys of their own (`LoopEvents`)."""
+        """(the buffers alive at `step` as (key, bytes); the scratch of that
+        step as {"kernel" | "loop": bytes}); they sum to `live[step]`.
+
+        A buffer is named by the latest key alive then that holds it: a
+        result written over an input's buffer (`_take_forwarded_buffers`: a
+        ReLU over its convolution's output) names it from then on. A key
+        says what its buffer holds: ("fwd", tensor) a forward tensor still
+        held, ("copy", level, tensor) a recomputed one, ("grad", op, tensor)
+        and ("sum", tensor) gradients, ("early", op) gradient parts made in
+        the forward pass; loops' kept states have keys of their own
+        (`LoopEvents`). Loop scratch is what a loop's gradient reruns and
+        rewrites (`LoopEvents._loop_backward`)."""
         replay = self._replay
-        buffers = [(key, size) for key, (start, size) in replay.born.items()
-                   if size and key not in self._weights
-                   and start <= step <= replay.last_use[key]]
-        return buffers, sum(size for at, size in replay.transient if at == step)
+        born, last_use = replay.born, replay.last_use
+
+        def alive(key):
+            return born[key][0] <= step <= last_use[key]
+
+        holder = {}  # buffer key -> the latest key alive at `step` sharing it
+        for key in replay.alias:
+            if alive(key):
+                root = replay._root(key)  # pylint: disable=protected-access
+                if born[key][0] >= born[holder.get(root, root)][0]:
+                    holder[root] = key
+        buffers = [(holder.get(key, key), size) for key, (_, size) in born.items()
+                   if size and key not in self._weights and alive(key)]
+        scratch = {}
+        for index, (at, size) in enumerate(replay.transient):
+            if at == step and size:
+                kind = replay.transient_kinds.get(index, "kernel")
+                scratch[kind] = scratch.get(kind, 0) + size
+        return buffers, scratch
 
 
 def _replayed(model, plan, stock_parts=None):
@@ -298,6 +320,7 @@ class _Replay(LoopEvents):
         self.born = {}      # buffer key -> (first step, bytes)
         self.last_use = {}  # buffer key -> last step it is read
         self.transient = []  # (step, bytes) of scratch buffers
+        self.transient_kinds = {}  # `transient` index -> "loop" where not a kernel's
         self.pieces = {}    # buffer key -> how many separate buffers it stands for
         self.pending = {}   # tensor name -> keys of gradient parts waiting for its op
         self.alias = {}     # buffer key -> the key whose buffer it shares
@@ -318,7 +341,7 @@ class _Replay(LoopEvents):
         kept_roots = {model.op_of(c) for level in levels for c in level.checkpoints} - copied
         self.copied = copied
         self._forward_pass()
-        self.phase = "tail" if levels else "backprop"
+        self.phase = "tail" if self.planned else "backprop"
         tail = [op for op in order if op not in copied and op not in kept_roots]
         if self.stock_parts is not None and not levels:
             self._backward_parts(self.stock_parts)
@@ -336,6 +359,7 @@ class _Replay(LoopEvents):
         done = op_table.per_model(self.model, "forward_pass", _forward_pass_of)
         self.born, self.last_use = dict(done.born), dict(done.last_use)
         self.alias, self.transient = dict(done.alias), list(done.transient)
+        self.transient_kinds = dict(done.transient_kinds)
         self.forwards, self.running = list(done.forwards), dict(done.running)
         for number, op in enumerate(op_order(self.model), start=1):
             if op in self.model.loops:
@@ -517,7 +541,6 @@ class _Replay(LoopEvents):
         held = {}  # op -> its output gradients' keys, for its part still to run
         for op, part in parts:
             self.step += 1
-            self.running[self.step] = ("gradient", op, self.phase)
             row = rows[op]
             if op not in held:
                 held[op] = self._summed(row.outputs)
@@ -666,9 +689,12 @@ class _Replay(LoopEvents):
             self.born[key] = (self.born[("fwd", row.outputs[0])][0], size)
             self.last_use[key] = self.step - 1
 
-    def _scratch(self, size):
-        """A buffer of `size` bytes alive during this step only."""
+    def _scratch(self, size, kind="kernel"):
+        """A buffer of `size` bytes alive during this step only: a kernel's
+        scratch, or (`kind` "loop") what a loop's gradient reruns and rewrites."""
         if size:
+            if kind != "kernel":
+                self.transient_kinds[len(self.transient)] = kind
             self.transient.append((self.step, size))
 
     def _alloc(self, key, size):
