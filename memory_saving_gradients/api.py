@@ -245,6 +245,21 @@ def weight_gradients_taken():
         _taken.depth -= 1
 
 
+def _check_batch_alone_unknown(graph, model, budget):
+    """ValueError where a tensor of `model` grows faster than the batch
+    `budget` was given: another dimension is unknown too, and sized as the
+    batch its bytes would be a guess."""
+    grown = sized_shapes.growing_past_linear(
+        [graph.get_tensor_by_name(name) for name in model.unsized])
+    if grown:
+        raise ValueError(
+            f"{budget.__name__} sizes the batch, but this step leaves another dimension "
+            f"unknown too ({len(grown)} tensors, e.g. {grown[0].name!r}: {grown[0].shape}, "
+            f"a sequence length?), so its bytes are not known: trace the step with that "
+            f"dimension known (a tf.function input_signature, padded batches), or use a "
+            f"mode ('memory', 'speed') or memory_within(slack)")
+
+
 def _sized_for(checkpoints):
     """Where `checkpoints` is a budget given a batch size, a context in which
     the graph's unknown dimensions count as that size (`budgets.Budget`)."""
@@ -255,6 +270,8 @@ def _sized_for(checkpoints):
 def _plan(ys, xs, checkpoints, region_bound=None):
     read = reading.build_model(ys, xs, region_bound)
     model = read.model
+    if isinstance(checkpoints, budgets.Budget) and checkpoints.batch_size and model.unsized:
+        _check_batch_alone_unknown(ys[0].graph, model, checkpoints)
     if getattr(_taken, "depth", 0):
         model = dataclasses.replace(model, weight_gradients_taken=True)
     mode = strategies.validate(checkpoints)

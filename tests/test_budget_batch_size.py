@@ -90,6 +90,41 @@ def test_fit_on_arrays_takes_a_budget_given_the_batch(caplog):
     assert "counted as 256" in caplog.text and "least predicted recompute" in caplog.text
 
 
+def test_a_budget_refuses_a_step_leaving_another_dimension_unknown():
+    with tf.Graph().as_default():
+        tokens = tf.compat.v1.placeholder(tf.float32, [None, None, WIDTH])  # batch, length
+        w = tf.compat.v1.placeholder(tf.float32, [WIDTH])
+        loss = tf.reduce_sum(tf.tanh(tf.tanh(tokens * w) * w))
+        with pytest.raises(ValueError,
+                           match=r"another dimension unknown too .*'mul:0': \(None, None, 256\)"):
+            msg.checkpoint_plan(loss, [w], msg.budget(2**30, batch_size=16))
+
+
+def _loop_step(batch):
+    x = tf.compat.v1.placeholder(tf.float32, [batch, WIDTH])
+    w = tf.compat.v1.placeholder(tf.float32, [WIDTH, WIDTH])
+    _, h = tf.while_loop(lambda i, h: i < 8, lambda i, h: (i + 1, tf.tanh(tf.matmul(h, w))),
+                         (0, x), maximum_iterations=8)
+    return [w], tf.reduce_sum(h * h)
+
+
+def test_a_loop_read_at_the_default_size_is_read_again_at_the_batch_given():
+    """A loop's bytes per iteration, measured once per loop, are measured again
+    for another size: planned at 32 first, a budget's were 32 rows' (its
+    step measured 1.34x the budget)."""
+    given = msg.budget(2**40, batch_size=BATCH)
+    loops = []
+    for plan_first in (True, False):
+        with tf.Graph().as_default():
+            ws, loss = _loop_step(None)
+            if plan_first:
+                msg.checkpoint_plan(loss, ws, "memory")
+            model = msg.checkpoint_plan(loss, ws, given).model
+            loops.append({name: loop.iteration_bytes for name, loop in model.loops.items()})
+    assert loops[0] == loops[1] and loops[0], loops
+    assert next(iter(loops[0].values())) >= BATCH * WIDTH * 4  # a row of the batch per h
+
+
 def test_without_the_batch_a_budget_says_how_to_give_it():
     with tf.Graph().as_default():
         _, ws, loss = _chain(None)

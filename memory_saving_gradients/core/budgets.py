@@ -43,10 +43,12 @@ class Budget:
 
     `batch_size`: for a step traced with its batch unknown (Keras `fit` on
     arrays whose length is not a multiple of its batch size, or on a dataset
-    batched without drop_remainder), the largest batch it runs: each
-    dimension of the step's inputs unknown when traced counts as that many
-    when the graph is read (`sized_shapes.unknown_dims_as`), so the budget
-    holds for batches up to it. Without it such a step is refused.
+    batched without drop_remainder), the largest batch it runs (per replica,
+    under a distribution strategy): each dimension unknown when traced counts
+    as that many when the graph is read (`sized_shapes.unknown_dims_as`), so
+    the budget holds for batches up to it. Without it such a step is refused,
+    and so is one leaving another dimension unknown too (a sequence length:
+    `api._check_batch_alone_unknown`).
     """
     max_bytes: float
     batch_size: Optional[int] = None

@@ -30,7 +30,8 @@ from memory_saving_gradients.core import op_table
 from memory_saving_gradients.core import planning
 from memory_saving_gradients.core import pricing
 from memory_saving_gradients.core import solvers
-from memory_saving_gradients.core.model import UNKNOWN_DIM_CHOICE_SCALE, GraphModel
+from memory_saving_gradients.core.model import (UNKNOWN_DIM_CHOICE_SCALE, UNKNOWN_DIM_SIZE,
+                                                 GraphModel)
 
 logger = logging.getLogger(__name__)
 
@@ -484,7 +485,8 @@ def unsized_note(model: GraphModel) -> str:
             f"(and of function calls' and loops' outputs) is counted as "
             f"{model.unknown_dim_size}, "
             f"TensorFlow's shape functions sizing the rest, so predicted bytes are for that "
-            f"size. For a plan sized to your batch, {STATIC_BATCH}")
+            f"size" + ("" if model.unknown_dim_size != UNKNOWN_DIM_SIZE  # a budget's batch_size
+                       else f". For a plan sized to your batch, {STATIC_BATCH}"))
 
 
 def unsized_activations(model: GraphModel) -> str:

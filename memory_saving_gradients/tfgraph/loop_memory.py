@@ -26,12 +26,14 @@ from memory_saving_gradients.tfgraph import loop_chunks
 from memory_saving_gradients.tfgraph import loop_recording
 from memory_saving_gradients.tfgraph import loops
 from memory_saving_gradients.tfgraph import op_kinds
+from memory_saving_gradients.tfgraph import sized_shapes
 
 logger = logging.getLogger("memory_saving_gradients")
 _PUSH_OP_TYPE = "TensorListPushBack"
 # List writes and the index of the item they write.
 _ITEM_INPUT = {"TensorListSetItem": 2, _PUSH_OP_TYPE: 1}
-# (body function name, input dtypes and shapes) -> iteration_bytes, per process.
+# (body function name, the size unknown dimensions count as, input dtypes and
+# shapes) -> iteration_bytes, per process.
 _MEASURED = {}
 # Loop inputs whose buffers exist before the step (arguments, constants, variables).
 _HELD_BEFORE_OP_TYPES = frozenset({"Placeholder", "Const", "ReadVariableOp", "VarHandleOp"})
@@ -238,7 +240,7 @@ def iteration_bytes(loop: tf.Operation) -> tuple:
     variable holding the list or None, bytes, whether the stacks hold that
     item too) of each write its body makes into a TensorList it carries))
     per iteration; (0, ()) if unknown."""
-    key = (loop.get_attr("body").name,
+    key = (loop.get_attr("body").name, sized_shapes.assumed_size(),
            tuple((t.dtype.name, str(t.shape)) for t in loop.inputs))
     if key not in _MEASURED:
         _MEASURED[key] = _measure(loop)

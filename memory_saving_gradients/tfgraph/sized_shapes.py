@@ -14,13 +14,14 @@ there, not 32. A caller that knows the size (`budget(max_bytes, batch_size=n)`)
 reads and rewrites a graph under `unknown_dims_as(n)` instead.
 
 Ops whose copy TensorFlow cannot make or infer (function calls, control flow)
-give outputs of their own static shapes with each unknown dimension at
-`UNKNOWN_DIM_SIZE`, and so does every tensor for which the copy knows no more.
+give outputs of their own static shapes with each unknown dimension at that
+size, and so does every tensor for which the copy knows no more.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import weakref
 
@@ -71,6 +72,19 @@ def unknown_dims_as(size: int):
 def assumed_size() -> int:
     """What an unknown dimension of a step's inputs counts as here and now."""
     return getattr(_assumed_here, "size", UNKNOWN_DIM_SIZE)
+
+
+def growing_past_linear(tensors) -> list:
+    """The tensors among `tensors` whose sizes grow faster than the size an
+    unknown dimension counts as: sized with it doubled, more than twice the
+    elements (two unknown dimensions of the step's inputs in their shapes, a
+    batch and a sequence length, or an op's output of several unknown ones)."""
+    def elements(dims):
+        return 1 if dims is None else math.prod(dims)
+
+    with unknown_dims_as(2 * assumed_size()):
+        doubled = [elements(sized_dims(t)) for t in tensors]
+    return [t for t, grown in zip(tensors, doubled) if grown > 2 * elements(sized_dims(t))]
 
 
 # Per thread (tf.distribute's replicas trace in threads): `unknown_dims_as`'s size.
