@@ -334,6 +334,19 @@ def _record_forwarding(op, reads, activations, backprop, gated):
          backprop["stock_workspace_forwards"][op.name]) = _named_forwards(op, stock, activations)
 
 
+def _record_scratch_taken_over(op, differentiated, activations, backprop):
+    """Adds to `op`'s `workspace_forwards` (and stock's, where recorded apart)
+    the buffers its gradient kernels take for scratch where they read them
+    last (`workspace.gradient_scratch_forwards`), whichever order runs them."""
+    savings = _named_savings(
+        op, workspace.gradient_scratch_forwards(op, differentiated), activations)
+    if not savings:
+        return
+    for field in ("workspace_forwards", "stock_workspace_forwards"):
+        if field == "workspace_forwards" or op.name in backprop[field]:
+            backprop[field][op.name] = backprop[field].get(op.name, ()) + savings
+
+
 def _named_forwards(op, found, activations):
     """`found` ((forwards, scratch_forwards) of a gradient_reads.Reads) as the model
     names them: (`GraphModel.forwarded_grads`, `workspace_forwards`) of `op`."""
@@ -430,6 +443,7 @@ def _record_backprop(op, op_inputs, activations, regions, settings, backprop):
         if passed:
             backprop["passed_grads"][name] = passed
         _record_forwarding(op, reads, activations, backprop, gated)
+        _record_scratch_taken_over(op, inputs_differentiated, activations, backprop)
         linear = reads.linear
     backprop["grad_reads"][name] = tuple(n for n in read if n in activations)
     outside = _made_outside(op, read, differentiated, data)

@@ -40,10 +40,14 @@ class _Kernel(NamedTuple):
     """A raw op to measure: its type, which input of the measured op it
     differentiates (None for the op's own kernel), and its tensor arguments as
     (argument, source) pairs: "x"/"w" are the measured op's two inputs, "y"
-    its output, "dy" the output's gradient, "x_shape"/"w_shape" their shapes."""
+    its output, "dy" the output's gradient, "x_shape"/"w_shape" their shapes.
+    `scratch_over`: the sources whose buffer the kernel may take for a
+    temporary of its own where it reads them last
+    (`forward_input_or_allocate_temp`)."""
     op_type: str
     differentiates: Optional[int]
     args: tuple
+    scratch_over: tuple = ()
 
 
 _BACKPROP_ARGS = (("input_sizes", "x_shape"), ("filter", "w"), ("out_backprop", "dy"))
@@ -57,8 +61,10 @@ _GRADIENT_OPS = {
     "DepthwiseConv2dNative": (
         _Kernel("DepthwiseConv2dNativeBackpropInput", 0, _BACKPROP_ARGS),
         _Kernel("DepthwiseConv2dNativeBackpropFilter", 1, _FILTER_ARGS)),
+    # The CPU kernel copies the pool's output into a temporary (its argmax
+    # search writes over it), or takes that output's buffer if no one else holds it.
     "MaxPool": (_Kernel("MaxPoolGrad", 0, (("orig_input", "x"), ("orig_output", "y"),
-                                           ("grad", "dy"))),),
+                                           ("grad", "dy")), scratch_over=("y",)),),
     "AvgPool": (_Kernel("AvgPoolGrad", 0, (("orig_input_shape", "x_shape"), ("grad", "dy"))),),
     # A transposed convolution (inputs: input_sizes, filter, out_backprop), its
     # shapes given as those of the Conv2D it transposes (x: its output, dy: its
@@ -87,6 +93,34 @@ def gradient_workspace_bytes(op: tf.Operation, concurrent: bool = False,
     built = None if differentiated is None else [
         differentiated[kernel.differentiates] for kernel in _GRADIENT_OPS.get(op.type, ())]
     return _workspace(op, _GRADIENT_OPS, sum if concurrent else max, built)
+
+
+# A kernel argument's source as a gradient probe names its stand-in
+# (`gradient_reads.Reads.scratch_forwards`).
+_STAND_INS = {"x": ("input", 0), "w": ("input", 1), "y": ("output", 0), "dy": ("grad", 0)}
+
+
+def gradient_scratch_forwards(op: tf.Operation, differentiated=None) -> tuple:
+    """(stand-in, bytes) for each tensor whose buffer a gradient kernel of `op`
+    takes for scratch where it reads that tensor last (`_Kernel.scratch_over`):
+    how much less of `gradient_workspace_bytes` it allocates then, measured
+    (a CPU MaxPoolGrad copies the pool's output: InceptionV3's recomputed stem
+    was predicted 0.6 MiB above its measured 11.8). Stand-ins as
+    `gradient_reads.Reads.scratch_forwards` names them; `differentiated` as
+    in `gradient_workspace_bytes`."""
+    kernels = _GRADIENT_OPS.get(op.type, ())
+    if not any(kernel.scratch_over for kernel in kernels) or _unmeasured(op):
+        return ()
+    attrs, shapes = _hashable(_attrs(op)), _shapes(op)
+    found = []
+    for index, kernel in enumerate(kernels):
+        if differentiated is not None and not differentiated[kernel.differentiates]:
+            continue
+        for source in kernel.scratch_over:
+            saved = _taken_over(op.type, index, source, attrs, shapes, op.outputs[0].dtype.name)
+            if saved > 0:
+                found.append((_STAND_INS[source], saved))
+    return tuple(found)
 
 
 def several_inter_op_threads() -> bool:
@@ -143,18 +177,25 @@ def run_workspace_bytes(op: tf.Operation) -> int:
 
 
 def _workspace(op, table, combine, built=None):
-    # Under XLA (jit_compile) none of these kernels runs: XLA compiles the op
-    # itself, without their scratch (a CNN's stock step: 13.7-16.2 MiB
-    # measured against 38.8 predicted with the kernels' 30 MiB).
-    if op.type not in table or compat.in_xla_context(op.graph) or any(
-            t.shape.rank is None for t in list(op.inputs) + list(op.outputs)):
+    if op.type not in table or _unmeasured(op):
         return 0
-    attrs = tuple(sorted((name, op.get_attr(name)) for name in op.node_def.attr
-                         if not name.startswith("_") and name != "T"))
-    scratch = _measured(table is _RUN_OPS, op.type, _hashable(attrs), _shapes(op),
+    scratch = _measured(table is _RUN_OPS, op.type, _hashable(_attrs(op)), _shapes(op),
                         op.outputs[0].dtype.name)
     return combine([s for s, made in zip(scratch, built or [True] * len(scratch)) if made]
                    or [0])
+
+
+def _unmeasured(op):
+    # Under XLA (jit_compile) none of these kernels runs: XLA compiles the op
+    # itself, without their scratch (a CNN's stock step: 13.7-16.2 MiB
+    # measured against 38.8 predicted with the kernels' 30 MiB).
+    return compat.in_xla_context(op.graph) or any(
+        t.shape.rank is None for t in list(op.inputs) + list(op.outputs))
+
+
+def _attrs(op):
+    return tuple(sorted((name, op.get_attr(name)) for name in op.node_def.attr
+                        if not name.startswith("_") and name != "T"))
 
 
 def _shapes(op):
@@ -181,12 +222,31 @@ def _measured(run, op_type, attrs, shapes, dtype):
         return ()
 
 
-def _run_ops(specs, attrs, shapes, dtype):
+@functools.lru_cache(maxsize=None)
+def _taken_over(op_type, index, source, attrs, shapes, dtype):
+    """Bytes less scratch the `index`-th gradient kernel of `op_type` takes
+    where it reads `source` last: measured with `source` fed (the feed holds
+    its buffer) and made by an op of the probe (the kernel's to write over)."""
+    held = _measured(False, op_type, attrs, shapes, dtype)
+    if not held:
+        return 0
+    try:
+        kernel = _GRADIENT_OPS[op_type][index]
+        taken, = _run_ops((kernel,), dict(attrs), shapes, dtype, fresh=source)
+        return held[index] - taken
+    except Exception as error:  # pylint: disable=broad-except  # then none is counted
+        logger.debug("scratch of %s over %s not measured: %s", op_type, source, error)
+        return 0
+
+
+def _run_ops(specs, attrs, shapes, dtype, fresh=None):
     """Runs each `_Kernel` of `specs` in a scratch graph; returns each one's scratch.
 
     Inputs are fed placeholders (Grappler would fold constants away); each op
     runs twice (the first run may set up caches once) and the second run's
-    peak of bytes requested above its output is its scratch.
+    peak of bytes requested above its output is its scratch. `fresh`: a
+    source made, instead of fed, by a product with a fed one that the kernels
+    alone read, so that its buffer is theirs to take (its bytes not counted).
     """
     with allocations.probe_graph(_DEVICE) as (graph, scope):
         x = tf.compat.v1.placeholder(dtype, shapes[0])
@@ -198,12 +258,18 @@ def _run_ops(specs, attrs, shapes, dtype):
             w = tf.compat.v1.placeholder(dtype, shapes[1])
             feed[w] = np.zeros(shapes[1], dtype)
             values.update(w=w, w_shape=tf.constant(shapes[1], tf.int32))
+        made = 0
+        if fresh is not None:
+            one = tf.compat.v1.placeholder(dtype, [])
+            feed[one] = np.ones((), dtype)
+            values[fresh] = values[fresh] * one
+            made = op_kinds.tensor_bytes(values[fresh])
         gradients = [_call(kernel.op_type, attrs,
                            **{name: values[source] for name, source in kernel.args})
                      for kernel in specs]
     with tf.compat.v1.Session(graph=graph) as sess:
         return tuple(int(max(allocations.requested_run_peak(sess, out.op, feed, scope)
-                             - out.shape.num_elements() * out.dtype.size, 0))
+                             - out.shape.num_elements() * out.dtype.size - made, 0))
                      for out in gradients)
 
 
