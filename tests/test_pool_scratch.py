@@ -5,10 +5,12 @@ or writes over that output's buffer when nothing else holds it
 (`forward_input_or_allocate_temp`). Its measured workspace
 (`workspace.py`, the output fed, so held) counts the copy; the timeline
 takes it back where the pool's output dies in the kernel's step
-(`workspace.gradient_scratch_forwards`). Before, a chain of max pools was
-predicted a whole pool output above measured, and InceptionV3's
-`"memory"` plan 1.06x its measured activation peak. Measured in a fresh
-process (`module_result`), both threadings.
+(`workspace.gradient_scratch_forwards`), in the rewrite's order only: under
+stock, the next layer's weight gradient or a skip connection may read the
+output after the kernel or beside it. Before, a chain of max pools under
+`"memory"` was predicted a whole pool output above measured, and
+InceptionV3's `"memory"` plan 1.06x its measured activation peak. Measured in a
+fresh process (`module_result`), both threadings.
 """
 
 import json
@@ -48,11 +50,12 @@ def test_ops_without_such_a_kernel_take_nothing():
         assert workspace.gradient_scratch_forwards(tf.nn.relu(image).op) == ()
 
 
-def _pool_chain_step(plan):
+def _pool_chain_step(plan, skip):
     """Six blocks of a channel scale, tanh and a 3x3 max pool of stride 1 over
-    1 MiB images in a tf.function, its gradients by `plan`; (predicted,
-    measured) bytes of the activation peak (bytes requested, profiled, the
-    weight gradients left out: `step_peaks`' count)."""
+    1 MiB images in a tf.function (with `skip`, the first pool's output added
+    to the last one's), its gradients by `plan`; (predicted, measured) bytes
+    of the activation peak (bytes requested, profiled, the weight gradients
+    left out: `step_peaks`' count)."""
     from benchmarks.live_set_diff import activation_peak, allocator_events
     import memory_saving_gradients as msg
     from memory_saving_gradients.core import timeline
@@ -61,9 +64,10 @@ def _pool_chain_step(plan):
     x = tf.constant(np.random.default_rng(0).normal(size=SHAPE).astype(np.float32))
 
     def loss(x):
-        h = x
+        pools = [x]
         for w in weights:
-            h = tf.nn.max_pool2d(tf.tanh(h * w), 3, 1, "SAME")
+            pools.append(tf.nn.max_pool2d(tf.tanh(pools[-1] * w), 3, 1, "SAME"))
+        h = pools[-1] + pools[1] if skip else pools[-1]
         return tf.reduce_sum(tf.square(tf.reduce_sum(h, axis=[1, 2])))
 
     @tf.function
@@ -88,20 +92,36 @@ def _pool_chain_step(plan):
 
 @pytest.fixture(scope="module", params=["default", "1"])
 def measured(request):
-    """`_measure_all` from a fresh process, with either threading."""
-    return module_result("tests.test_pool_scratch", request.param)
+    """`_measure_all` from a fresh process, with either threading; and that threading."""
+    return {**module_result("tests.test_pool_scratch", request.param), "threads": request.param}
 
 
-@pytest.mark.parametrize("plan", ["stock", "memory"])
-def test_a_chain_of_max_pools_is_predicted_within_a_quarter_of_a_pool_output(measured, plan):
-    # Measured 16.0 MiB (stock) and 9.0 ('memory'), predicted to the byte;
-    # a whole pool output (1 MiB) above both before the take-over was modelled.
-    predicted, peak = measured[plan]
+@pytest.mark.parametrize("skip", [False, True], ids=["chain", "skip"])
+def test_memory_on_a_chain_of_max_pools_is_predicted_to_a_quarter_of_a_pool_output(
+        measured, skip):
+    # Measured 9.0 MiB on the chain, predicted to the byte; 10.0 before the
+    # take-over was modelled.
+    predicted, peak = measured[f"memory {skip}"]
     assert abs(predicted - peak) <= 0.25 * MIB, (predicted / MIB, peak / MIB)
 
 
+@pytest.mark.parametrize("skip", [False, True], ids=["chain", "skip"])
+def test_stock_is_not_predicted_below_measured(measured, skip):
+    # Stock's order does not make the kernel read the pool's output last, so
+    # its copy is counted: on the chain measured 16.0-17.0 MiB, predicted 17.0;
+    # with the skip connection and one thread measured 17.0, predicted 16.0
+    # when the take-over applied to stock too (a review's finding). With
+    # several threads the skip chain measured 18.0, above the 17.0 replayed
+    # one op at a time, as before this change: not asserted.
+    if skip and measured["threads"] != "1":
+        pytest.skip("stock's order with several threads is not what the timeline replays")
+    predicted, peak = measured[f"stock {skip}"]
+    assert 0 <= predicted - peak <= 1.25 * MIB, (predicted / MIB, peak / MIB)
+
+
 def _measure_all():
-    return {"stock": _pool_chain_step(None), "memory": _pool_chain_step("memory")}
+    return {f"{plan} {skip}": _pool_chain_step(None if plan == "stock" else plan, skip)
+            for plan in ("stock", "memory") for skip in (False, True)}
 
 
 if __name__ == "__main__":  # `module_result` passes the suite's environment on

@@ -335,16 +335,21 @@ def _record_forwarding(op, reads, activations, backprop, gated):
 
 
 def _record_scratch_taken_over(op, differentiated, activations, backprop):
-    """Adds to `op`'s `workspace_forwards` (and stock's, where recorded apart)
-    the buffers its gradient kernels take for scratch where they read them
-    last (`workspace.gradient_scratch_forwards`), whichever order runs them."""
+    """Adds to `op`'s `workspace_forwards` the buffers its gradient kernels take
+    for scratch where they read them last (`workspace.gradient_scratch_forwards`),
+    for the rewrite's order only (where it orders the gradient ops: `gated`).
+    Stock's order does not make the kernel read
+    them last: another reader (the next layer's weight gradient, a skip
+    connection's) may run after it or beside it, and then the kernel copies
+    (a chain of max pools under stock: predicted 1 MiB under measured, with
+    one inter-op thread as with several). Stock keeps what it had."""
     savings = _named_savings(
         op, workspace.gradient_scratch_forwards(op, differentiated), activations)
     if not savings:
         return
-    for field in ("workspace_forwards", "stock_workspace_forwards"):
-        if field == "workspace_forwards" or op.name in backprop[field]:
-            backprop[field][op.name] = backprop[field].get(op.name, ()) + savings
+    planned = backprop["workspace_forwards"].get(op.name, ())
+    backprop["stock_workspace_forwards"].setdefault(op.name, planned)
+    backprop["workspace_forwards"][op.name] = planned + savings
 
 
 def _named_forwards(op, found, activations):
@@ -443,7 +448,8 @@ def _record_backprop(op, op_inputs, activations, regions, settings, backprop):
         if passed:
             backprop["passed_grads"][name] = passed
         _record_forwarding(op, reads, activations, backprop, gated)
-        _record_scratch_taken_over(op, inputs_differentiated, activations, backprop)
+        if gated:
+            _record_scratch_taken_over(op, inputs_differentiated, activations, backprop)
         linear = reads.linear
     backprop["grad_reads"][name] = tuple(n for n in read if n in activations)
     outside = _made_outside(op, read, differentiated, data)
