@@ -82,23 +82,18 @@ def _both_counts(model, result):
 
 
 @pytest.mark.parametrize("make", [
-    lambda: chain_model(60)[0], lambda: residual_model(40)[0],
     lambda: _weighted_chain(40, 0.3), lambda: _weighted_chain(60, 0.7),
-    *[lambda seed=seed: random_model(seed, ops=30) for seed in range(2)]],
-    ids=["chain", "residual", "weighted chain 0.3", "weighted chain 0.7", "random0", "random1"])
-def test_memory_recomputes_less_only_at_no_more_memory_by_either_count(make):
-    # "memory" searches for a plan recomputing less than the least-peak one;
-    # ranked by the held count alone it took one keeping 16.2 MiB of
-    # InceptionV3's activations at their peak against 11.8 (the whole step
-    # 94.9 MiB either way: the weight gradients set it).
+    lambda: random_model(0, ops=30)], ids=["weighted chain 0.3", "weighted chain 0.7", "random0"])
+def test_the_cheaper_plans_judge_passes_only_plans_at_no_more_memory_by_either_count(make):
+    # `memory`'s search for a plan recomputing less than the least-peak one
+    # (its effect on a real model: tests/test_memory_ranking.py).
     model = make()
     least = strategies.least_peak(model)
-    chosen = strategies.memory(model)
-    assert all(a <= b for a, b in zip(_both_counts(model, chosen), _both_counts(model, least)))
-    assert chosen.recompute_flops <= least.recompute_flops
     judge = strategies._no_more_than(model, least, strategies.HELD, strategies.AS_TAKEN)
     bound = strategies.counted_peak(model, least, strategies.HELD)
-    for plan in strategies.staircase(model, strategies.cut_problem(model), bound * 2, "x"):
+    plans = strategies.staircase(model, strategies.cut_problem(model), bound * 2, "x")
+    assert len(plans) > 1
+    for plan in plans:
         within = all(a <= b for a, b in zip(_both_counts(model, plan), _both_counts(model, least)))
         assert (judge(plan) <= bound) == within
 
