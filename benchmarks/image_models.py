@@ -14,7 +14,9 @@ APPLICATIONS = ("MobileNetV2", "EfficientNetB0", "DenseNet121", "ResNet50", "Con
 HELD_OUT = {"MobileNetV3Small": 64, "VGG16": 64, "ResNet50V2": 64, "EfficientNetV2B0": 64,
             "Xception": 80, "InceptionV3": 80,
             # first measured in session 60 (benchmarks/results/s60_held_out_600b003.md)
-            "NASNetMobile": 64, "MobileNetV3Large": 64, "DenseNet169": 64}
+            "NASNetMobile": 64, "MobileNetV3Large": 64, "DenseNet169": 64,
+            # first measured in session 70 (benchmarks/results/s70_held_out3_0e687b6.md)
+            "MobileNet": 64, "ResNet101": 64}
 
 
 def application(name, pixels, classes=10):
