@@ -137,6 +137,15 @@ def from_model(model: GraphModel, max_cuts=None, cut_after=None) -> CutProblem:
     return dataclasses.replace(problem, cuts=np.union1d(problem.cuts, wanted).astype(np.int64))
 
 
+def with_activations_scaled(problem: CutProblem, factor: int) -> CutProblem:
+    """`problem` with every activation `factor` times its bytes and the weight
+    gradients as they are: the problem of a batch `factor` times larger, whose
+    least-peak cuts keep less of the activations where the weight gradients
+    outweigh them at the traced batch (and set every plan's peak alike)."""
+    return dataclasses.replace(problem, op_bytes=problem.op_bytes * factor,
+                               op_held=problem.op_held * factor)
+
+
 def rerun_by_pinned(model: GraphModel, kept_loops=frozenset()) -> set:
     """Activations a plan recomputes whatever it keeps: those a recomputable pinned
     tensor is rebuilt from, back to the nearest pinned ones (`planning.segment`). O(n).
