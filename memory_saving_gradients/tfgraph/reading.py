@@ -338,11 +338,11 @@ def _record_scratch_taken_over(op, differentiated, activations, backprop):
     """Adds to `op`'s `workspace_forwards` the buffers its gradient kernels take
     for scratch where they read them last (`workspace.gradient_scratch_forwards`),
     for the rewrite's order only (where it orders the gradient ops: `gated`).
-    Stock's order does not make the kernel read
-    them last: another reader (the next layer's weight gradient, a skip
-    connection's) may run after it or beside it, and then the kernel copies
-    (a chain of max pools under stock: predicted 1 MiB under measured, with
-    one inter-op thread as with several). Stock keeps what it had."""
+    Stock's order does not make the kernel read them last: another reader (the
+    next layer's weight gradient, a skip connection's) may run after it or
+    beside it, and then the kernel copies (a chain of max pools under stock:
+    predicted 1 MiB under measured, with one inter-op thread as with several).
+    Stock keeps what it had."""
     savings = _named_savings(
         op, workspace.gradient_scratch_forwards(op, differentiated), activations)
     if not savings:
