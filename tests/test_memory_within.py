@@ -27,13 +27,15 @@ def test_within_its_slack_of_memory_and_recomputing_no_more(name, slack):
 
 
 def test_a_slack_buys_back_recompute():
-    """On this random model (scratch, weight gradients, pinned ops) a plan 8%
-    above the least predicted peak recomputes 16% less than 'memory'."""
+    """On this random model (scratch, weight gradients, pinned ops) a plan 10%
+    above the least predicted peak recomputes 18% less than 'memory' (8% above
+    for 16% less before session 71 lowered 'memory''s peak: within 10% of it,
+    9% less now)."""
     model = random_model(4, ops=120)
-    least, found = strategies.memory(model), msg.memory_within(0.1)(model)
-    assert found.recompute_flops < 0.9 * least.recompute_flops
-    assert least.peak_bytes < found.peak_bytes <= 1.1 * least.peak_bytes
-    assert any("least recompute found within 10% of the least predicted peak" in n
+    least, found = strategies.memory(model), msg.memory_within(0.15)(model)
+    assert found.recompute_flops < 0.85 * least.recompute_flops
+    assert least.peak_bytes < found.peak_bytes <= 1.15 * least.peak_bytes
+    assert any("least recompute found within 15% of the least predicted peak" in n
                for n in found.notes)
 
 

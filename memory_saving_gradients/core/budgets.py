@@ -213,8 +213,13 @@ class MemoryWithin:
         least = strategies.memory(model, problem)
         if least.plan.stock:  # nothing recomputes less
             return dataclasses.replace(least, strategy=self.__name__)
+        ceilings = self._ceilings(least)
         found = [strategies.fitting_plan(model, problem, ceiling, self.__name__)
-                 for ceiling in self._ceilings(least)]
+                 for ceiling in ceilings]
+        # As in `Budget`: the plans 'memory' picks from, which the search does not
+        # see whole, can recompute less than what it found.
+        found += [r for r in strategies.low_peak_candidates(model, problem)
+                  if r.peak_bytes <= ceilings[-1]]
         cheaper = [r for r in found if r is not None and r.recompute_flops < least.recompute_flops]
         share = f"{100 * self.slack:.3g}%"
         if not cheaper:
