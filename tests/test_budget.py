@@ -17,6 +17,7 @@ from memory_saving_gradients.core import pricing
 from harness import Model
 from harness import assert_matches_stock
 from harness import gradients_vs_stock
+from harness import requested_session_peak
 from models import dense_layers as _dense_layers
 from models import normal as _normal
 from test_models import _batch_norm
@@ -98,20 +99,21 @@ def _chain_step(depth, block):
 @pytest.mark.parametrize("share", [0.3, 0.5, 0.7])
 def test_measured_peak_stays_within_budget(block, share):
     """Budgets as a share of tf.gradients' measured peak (raised to the smallest
-    feasible budget where the model predicts that share cannot be met); met within 15%."""
+    feasible budget where the model predicts that share cannot be met); met within 15%
+    in bytes requested (the records' BFC chunks depend on what the process allocated before)."""
     graph = tf.Graph()
     with graph.as_default():
         x, y = _chain_step(40, block)
         stock = tf.gradients(y, x)
         feed = {x: np.random.RandomState(0).randn(UNIT).astype(np.float32) * 0.1}
         with tf.compat.v1.Session() as sess:
-            stock_peak, stock_val = msg.session_peak_bytes(sess, stock, feed)
+            stock_peak, stock_val = requested_session_peak(sess, stock, feed)
         # The 'memory' plan's peak as the allocator counts it: a budget that is met.
         least = msg.checkpoint_plan(y, x, "memory").estimate.allocator_peak_bytes
         budget = max(share * stock_peak, least)
         ours = msg.gradients(y, x, checkpoints=msg.budget(budget))
         with tf.compat.v1.Session() as sess:
-            ours_peak, ours_val = msg.session_peak_bytes(sess, ours, feed)
+            ours_peak, ours_val = requested_session_peak(sess, ours, feed)
     np.testing.assert_allclose(ours_val[0], stock_val[0], rtol=1e-5, atol=1e-6)
     assert ours_peak <= 1.15 * budget, (ours_peak / budget, budget / stock_peak)
 
