@@ -142,6 +142,8 @@ def with_activations_scaled(problem: CutProblem, factor: int) -> CutProblem:
     gradients as they are: the problem of a batch `factor` times larger, whose
     least-peak cuts keep less of the activations where the weight gradients
     outweigh them at the traced batch (and set every plan's peak alike)."""
+    if factor == 1:
+        return problem
     return dataclasses.replace(problem, op_bytes=problem.op_bytes * factor,
                                op_held=problem.op_held * factor)
 

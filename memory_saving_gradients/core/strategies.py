@@ -18,6 +18,7 @@ TensorFlow. `run` resolves what a user passed as ``checkpoints=``:
 
 import collections.abc
 import dataclasses
+import functools
 import logging
 from typing import Optional
 
@@ -160,13 +161,8 @@ def memory(model: GraphModel, problem=None) -> Result:
     recomputed segments and the kept tensors are balanced.
     """
     problem = problem or cut_problem(model)
-    taken = model.weight_gradients_taken
-    traced, larger = _traced_and_larger(model, problem)
-    result = _cheapest_at_peak(model, problem, *_chosen(model, "memory", traced, taken))
-    admitted = _lower_by_both(model, result, larger, taken)
-    if not admitted:
-        return result
-    return _cheapest_at_peak(model, problem, *_chosen(model, "memory", admitted, taken))
+    return _bettered_by_larger(model, problem, model.weight_gradients_taken,
+                               functools.partial(_cheapest_at_peak, model, problem))
 
 
 def _cheapest_at_peak(model, problem, least, instead) -> Result:
@@ -226,10 +222,18 @@ def least_peak(model: GraphModel, problem=None) -> Result:
     go on to `fitting_plan` pass theirs so it is built once).
     """
     problem = problem or cut_problem(model)
+    return _bettered_by_larger(model, problem, False, lambda least, _instead: least)
+
+
+def _bettered_by_larger(model, problem, taken, search) -> Result:
+    """`search` (a function of `_chosen`'s (least, instead)) run from the plans
+    chosen at the traced sizes, then, where `_lower_by_both` admits any against
+    what it found, from the plans chosen as for a larger batch; `taken` as in
+    `_chosen`."""
     traced, larger = _traced_and_larger(model, problem)
-    least = _chosen(model, "memory", traced)[0]
-    admitted = _lower_by_both(model, least, larger, False)
-    return _chosen(model, "memory", admitted)[0] if admitted else least
+    result = search(*_chosen(model, "memory", traced, taken))
+    admitted = _lower_by_both(model, result, larger, taken)
+    return search(*_chosen(model, "memory", admitted, taken)) if admitted else result
 
 
 def _lower_by_both(model, result, larger, taken) -> list:
@@ -449,10 +453,11 @@ def _traced_and_larger(model, problem) -> tuple:
     """(`_candidates` of 'memory' chosen at the traced sizes, those chosen as for
     a batch `LARGER_BATCH` times larger that are not among them). Without
     weight gradients every cut-model peak scales with the batch, and its
-    choices differ only by rounding: not solved twice."""
+    choices differ only by rounding: not solved twice; nor at a `LARGER_BATCH`
+    of 1, whose choices are the traced ones."""
     settings = loop_plans.peak_settings(model)
     traced = _candidates(model, "memory", None, problem, settings)
-    if not problem.op_weights.any():
+    if LARGER_BATCH == 1 or not problem.op_weights.any():
         return traced, []
     larger = {}
     for r in _candidates(model, "memory", None, problem, settings, LARGER_BATCH):
