@@ -2,8 +2,8 @@
 
 Where the weight gradients outweigh the activations, they set every plan's
 held peak alike, and the cut model's least-peak plans at the traced sizes can
-leave a tail of activations unchecked (ResNet101 at 64 px, batch 8: 0.57 of
-tf.gradients' activations). Its plans chosen with every activation
+leave a tail of activations unchecked (ResNet101 at 64 px, batch 8: 0.56 of
+tf.gradients' activations measured). Its plans chosen with every activation
 `strategies.LARGER_BATCH` times as large are priced at the traced sizes beside
 them; one is taken only where it peaks no higher than the traced choice with
 the weight gradients held and with each taken as it is made. Planner models
