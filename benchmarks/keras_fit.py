@@ -7,10 +7,11 @@ every training batch and reads the peak after it; batches after the first
 for the same train step is read from the plan `gradients` logs while Keras
 traces it.
 
-    python -m benchmarks.keras_fit                    # both models: 10-40 min on 2 shared cores
+    python -m benchmarks.keras_fit                    # three models: 10-40 min on 2 shared cores
     python -m benchmarks.keras_fit --models cnn --steps 4
     python -m benchmarks.keras_fit --data dataset     # a tf.data pipeline: batch unknown
     python -m benchmarks.keras_fit --models ResNet50,DenseNet121   # keras.applications
+    python -m benchmarks.keras_fit --models dense_bn --optimizer sgd   # optimizer_guard's
 
 `--data dataset` feeds `fit` a tf.data dataset batched without
 drop_remainder, as most input pipelines are: Keras then traces its step with
@@ -28,6 +29,7 @@ import subprocess
 import sys
 
 from benchmarks import image_models
+from benchmarks import optimizer_guard
 from examples import keras_models
 
 METHODS = {"fit": None, "fit + Checkpointing(memory)": "memory",
@@ -39,16 +41,19 @@ METHODS = {"fit": None, "fit + Checkpointing(memory)": "memory",
            # step's start (tfgraph/update_waits.py switched off; not in the default run).
            "fit + Checkpointing(memory), updates not waiting": "memory, updates not waiting"}
 DEFAULT_METHODS = tuple(m for m in METHODS if "not waiting" not in m)
-OPTIMIZERS = {"adam": lambda k: "adam",
+OPTIMIZERS = {"adam": lambda k: "adam", "sgd": lambda k: k.optimizers.SGD(0.01),
               "sgd-momentum": lambda k: k.optimizers.SGD(0.01, momentum=0.9),
               "adamw": lambda k: k.optimizers.AdamW(), "rmsprop": lambda k: k.optimizers.RMSprop()}
-MODELS = ("cnn", "bert", "convnext")
+DEFAULT_MODELS = ("cnn", "bert", "convnext")
+MODELS = DEFAULT_MODELS + ("dense_bn",)
 RESULTS = os.path.join(os.path.dirname(__file__), "results", "keras_fit.json")
 
 
 def build(name, optimizer="adam"):
     """The model and one batch: MobileNetV2 (batch norm), a BERT-like encoder,
-    ConvNeXtTiny (grouped convolutions: XLA-compiled calls), or any other
+    ConvNeXtTiny (grouped convolutions: XLA-compiled calls), optimizer_guard's
+    normalized dense layers on 128 rows (its weight gradients outweigh its
+    activations), or any other
     keras.applications model by its name, on 32 images of 96 pixels as
     MobileNetV2: activations must outweigh the weights' gradients, which the
     activation ratio subtracts (ResNet50 on 8 images of 64 pixels: 90 MiB of
@@ -67,6 +72,9 @@ def build(name, optimizer="adam"):
         model = keras.applications.ConvNeXtTiny(weights=None, input_shape=(64, 64, 3),
                                                 classes=4, include_preprocessing=False)
         x = rng.rand(8, 64, 64, 3).astype("float32")
+    elif name == "dense_bn":  # weight gradients outweigh its activations
+        model = optimizer_guard.normalized_dense_model(512)
+        x = rng.randn(128, 512).astype("float32")
     elif name == "bert":
         model = keras_models.bert_like(vocab=1000, width=128, layers=4)
         x = rng.randint(1, 1000, (16, 128))
@@ -209,7 +217,7 @@ def measured_rows(module, args, variant):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default=",".join(MODELS),
+    parser.add_argument("--models", default=",".join(DEFAULT_MODELS),
                         help="of " + ", ".join(MODELS) + " or keras.applications names")
     parser.add_argument("--data", choices=("arrays", "dataset"), default="arrays",
                         help="arrays: the batch static when traced; dataset: unknown")

@@ -37,6 +37,18 @@ VARIANTS = ("tf.gradients", "memory", "memory, fallback off")
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
 
+def normalized_dense_model(width):
+    """The step's model (seeded): LAYERS Dense(width, relu) + BatchNormalization
+    layers on `width` features, and a Dense(4) head."""
+    import keras
+    keras.utils.set_random_seed(7)
+    inputs = keras.Input((width,))
+    h = inputs
+    for _ in range(LAYERS):
+        h = keras.layers.BatchNormalization()(keras.layers.Dense(width, activation="relu")(h))
+    return keras.Model(inputs, keras.layers.Dense(4)(h))
+
+
 def normalized_dense_step(rows, width, mode):
     """(step(x), x, found) of the step above with `mode`'s gradients (None:
     tf.gradients'); `found["plan"]` is the plan's report once traced."""
@@ -44,12 +56,7 @@ def normalized_dense_step(rows, width, mode):
     import tensorflow as tf
 
     import memory_saving_gradients as msg
-    keras.utils.set_random_seed(7)
-    inputs = keras.Input((width,))
-    h = inputs
-    for _ in range(LAYERS):
-        h = keras.layers.BatchNormalization()(keras.layers.Dense(width, activation="relu")(h))
-    model = keras.Model(inputs, keras.layers.Dense(4)(h))
+    model = normalized_dense_model(width)
     optimizer = keras.optimizers.SGD(0.01)
     optimizer.build(model.trainable_variables)
     found = {}
