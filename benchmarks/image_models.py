@@ -16,7 +16,10 @@ HELD_OUT = {"MobileNetV3Small": 64, "VGG16": 64, "ResNet50V2": 64, "EfficientNet
             # first measured in session 60 (benchmarks/results/s60_held_out_600b003.md)
             "NASNetMobile": 64, "MobileNetV3Large": 64, "DenseNet169": 64,
             # first measured in session 70 (benchmarks/results/s70_held_out3_0e687b6.md)
-            "MobileNet": 64, "ResNet101": 64}
+            "MobileNet": 64, "ResNet101": 64,
+            # first measured in session 73 (benchmarks/results/s73_held_out_*.md)
+            "VGG19": 64, "ResNet152V2": 64, "DenseNet201": 64, "InceptionResNetV2": 80,
+            "EfficientNetB2": 64, "ConvNeXtSmall": 64}
 
 
 def application(name, pixels, classes=10):
