@@ -249,7 +249,7 @@ def _large_broadcasts_run(graph, outputs):
 def test_no_full_size_broadcast_runs_in_our_backprop(name, sinking_off, monkeypatch):
     """On the plans "memory" chose before session 71 (its candidates at the
     traced sizes alone); on its plan now, see the test below."""
-    monkeypatch.setattr(strategies, "LARGER_BATCH", 1)
+    monkeypatch.setattr(strategies, "LARGER_BATCHES", ())
     build, shape = MODELS[name]
     assert _large_broadcasts_run(*_backprop_graph(build, shape)) == []
 

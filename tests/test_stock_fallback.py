@@ -32,9 +32,8 @@ pytestmark = pytest.mark.stock_fallback
 @pytest.fixture
 def traced_candidates_only(monkeypatch):
     """The cut model's candidates at the traced sizes alone, as when the models
-    of the tests using it were found (before session 71): those chosen as for
-    a batch of 1x are the same plans."""
-    monkeypatch.setattr(strategies, "LARGER_BATCH", 1)
+    of the tests using it were found (before session 71)."""
+    monkeypatch.setattr(strategies, "LARGER_BATCHES", ())
 
 
 @pytest.mark.parametrize("seed, ops", ABOVE_STOCK)

@@ -117,8 +117,9 @@ def test_memory_takes_the_least_peak_as_taken(seed, ops):
     """The plan is below tf.gradients by both counts (as taken, equal passes),
     or it is tf.gradients; where the candidate of least peak as taken is below
     stock held too, the plan's peak as taken is at most its (the search for
-    less recompute at that peak may find a lower one). On (19, 60) the held
-    ranking's plan is above."""
+    less recompute at that peak may find a lower one). On (7, 30) the held
+    ranking's plan is above (111 against 108 MiB; on (19, 60) too before the
+    plans chosen as for a 16x batch, which both rankings now take)."""
     held = random_model(seed, ops=ops)
     model = dataclasses.replace(held, weight_gradients_taken=True)
     result = strategies.memory(model)
@@ -135,7 +136,7 @@ def test_memory_takes_the_least_peak_as_taken(seed, ops):
         assert not result.plan.stock
         assert (pricing.activation_peak(model, result.plan)
                 <= pricing.activation_peak(model, least.plan))
-    if (seed, ops) == (19, 60):
+    if (seed, ops) == (7, 30):
         assert not result.plan.stock
         assert (pricing.activation_peak(model, strategies.memory(held).plan)
                 > pricing.activation_peak(model, result.plan))

@@ -43,9 +43,10 @@ EXPENSIVE_OP_TYPES = frozenset({
 })
 MAX_CUTS = 128  # candidate cuts on large graphs (all op boundaries below that)
 CANDIDATE_PLANS = 6  # of the cut model, priced by the timeline
-# The cut model's candidates are also chosen as for a batch this many times the
-# traced one (`low_peak_candidates`).
-LARGER_BATCH = 4
+# The cut model's candidates are also chosen as for batches these many times the
+# traced one (`low_peak_candidates`): the more the weight gradients outweigh the
+# activations, the larger the batch whose plans keep few activations.
+LARGER_BATCHES = (4, 16)
 MAX_PRICED = 64  # plans whose prices are remembered per model (a strategy prices about 20)
 MAX_STAIRS = 64  # plans per loop setting `staircase` walks down
 FIT_RETRIES = 4  # re-solves with a tighter cut-model budget when the prediction overshoots
@@ -442,7 +443,7 @@ def _as_taken(model):
 def low_peak_candidates(model: GraphModel, problem=None) -> list:
     """The cut model's few best plans with the model's loops rerun, and kept in
     chunks (`loop_plans.peak_settings`), chosen at the traced sizes and as for
-    a batch `LARGER_BATCH` times larger, all priced by the timeline at the
+    batches `LARGER_BATCHES` times larger, all priced by the timeline at the
     traced sizes (`least_peak` picks one): a budget judges them by another
     peak than 'memory' does."""
     traced, larger = _traced_and_larger(model, problem or cut_problem(model))
@@ -451,16 +452,16 @@ def low_peak_candidates(model: GraphModel, problem=None) -> list:
 
 def _traced_and_larger(model, problem) -> tuple:
     """(`_candidates` of 'memory' chosen at the traced sizes, those chosen as for
-    a batch `LARGER_BATCH` times larger that are not among them). Without
-    weight gradients every cut-model peak scales with the batch, and its
-    choices differ only by rounding: not solved twice; nor at a `LARGER_BATCH`
-    of 1, whose choices are the traced ones.
+    a batch each of `LARGER_BATCHES` times larger that are not among them).
+    Without weight gradients every cut-model peak scales with the batch, and
+    its choices differ only by rounding: not solved again; nor at a factor of
+    1, whose choices are the traced ones.
 
-    Found once per model and `LARGER_BATCH` (`problem` is `cut_problem(model)`):
+    Found once per model and `LARGER_BATCHES` (`problem` is `cut_problem(model)`):
     `MemoryWithin` runs `memory` and then takes these again, and a budget may
     follow `memory` on one model; solving them is most of `memory`'s time
     (1.0 of 1.5 s of CPU on ResNet50 at 64 px). Copies of the lists."""
-    traced, larger = op_table.per_model(model, f"traced_and_larger x{LARGER_BATCH}",
+    traced, larger = op_table.per_model(model, f"traced_and_larger x{LARGER_BATCHES}",
                                         lambda m: _solved_traced_and_larger(m, problem))
     return list(traced), list(larger)
 
@@ -468,11 +469,13 @@ def _traced_and_larger(model, problem) -> tuple:
 def _solved_traced_and_larger(model, problem) -> tuple:
     settings = loop_plans.peak_settings(model)
     traced = _candidates(model, "memory", None, problem, settings)
-    if LARGER_BATCH == 1 or not problem.op_weights.any():
+    scales = [scale for scale in LARGER_BATCHES if scale != 1]
+    if not scales or not problem.op_weights.any():
         return traced, []
     larger = {}
-    for r in _candidates(model, "memory", None, problem, settings, LARGER_BATCH):
-        larger.setdefault((r.plan.kept, r.plan.loops), r)
+    for scale in scales:
+        for r in _candidates(model, "memory", None, problem, settings, scale):
+            larger.setdefault((r.plan.kept, r.plan.loops), r)
     for r in traced:  # sets differing only in tensors kept anyway make one plan
         larger.pop((r.plan.kept, r.plan.loops), None)
     return traced, list(larger.values())
