@@ -254,7 +254,7 @@ def test_no_full_size_broadcast_runs_in_our_backprop(name, sinking_off, monkeypa
     assert _large_broadcasts_run(*_backprop_graph(build, shape)) == []
 
 
-@pytest.mark.xfail(strict=True, reason="session 71: on the plan chosen as for a 4x batch one "
+@pytest.mark.xfail(strict=True, reason="session 71: on the plan chosen as for a larger batch one "
                    "layer norm's moments/mean_grad/Tile runs in a level's backprop, not sunk: "
                    "it is a gradient the level's call returns, which sink leaves alone "
                    "(session 72; the gradients are equal to stock's)")

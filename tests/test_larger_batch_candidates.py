@@ -14,6 +14,7 @@ import dataclasses
 
 import pytest
 
+from memory_saving_gradients.core import budgets
 from memory_saving_gradients.core import cuts
 from memory_saving_gradients.core import pricing
 from memory_saving_gradients.core import solvers
@@ -136,3 +137,15 @@ def test_larger_batch_plans_below_stock_are_taken_where_the_traced_ones_are_not(
         assert not result.plan.stock, result.notes
         stock = strategies.stock(model, "stock")
         assert all(now < then for now, then in zip(both_counts(model, result), both_counts(model, stock)))
+
+
+def test_the_least_feasible_budget_follows_the_larger_batches(monkeypatch):
+    """The budgets' feasible plans are remembered per model and setting: asked
+    again on the same model with the larger batches' candidates, the least
+    feasible budget is theirs (it was the first answer, remembered under one
+    key; a review's find)."""
+    model = random_model(51, ops=60)
+    monkeypatch.setattr(strategies, "LARGER_BATCHES", ())
+    without = budgets.least_feasible(model).estimate.allocator_peak_bytes
+    monkeypatch.undo()
+    assert budgets.least_feasible(model).estimate.allocator_peak_bytes < without

@@ -155,8 +155,9 @@ def feasible_plans(model, problem=None, candidates=None) -> list:
     those starting peaks, and missed them at budgets just above). The whole
     staircase is priced here; only plans whose bytes requested are below the
     least allocator peak so far are replayed (the replay is never below them).
+    Remembered per model and `strategies.LARGER_BATCHES`, which set the candidates.
     """
-    return op_table.per_model(model, "feasible_plans",
+    return op_table.per_model(model, f"feasible_plans x{strategies.LARGER_BATCHES}",
                               lambda m: _feasible_plans(m, problem, candidates))
 
 
