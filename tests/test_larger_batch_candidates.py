@@ -136,7 +136,8 @@ def test_larger_batch_plans_below_stock_are_taken_where_the_traced_ones_are_not(
     for result in (strategies.memory(model), strategies.least_peak(model)):
         assert not result.plan.stock, result.notes
         stock = strategies.stock(model, "stock")
-        assert all(now < then for now, then in zip(both_counts(model, result), both_counts(model, stock)))
+        assert all(now < then for now, then in zip(both_counts(model, result),
+                                                   both_counts(model, stock)))
 
 
 def test_the_least_feasible_budget_follows_the_larger_batches(monkeypatch):
