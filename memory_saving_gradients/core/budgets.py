@@ -112,10 +112,10 @@ class Budget:
                    if (found is None or r.recompute_flops < found.recompute_flops) and fits(r)]
         fitting += [found] if found is not None else []
         if not fitting:  # the search can miss a plan that fits (`feasible_plans`)
-            fitting = [r for r in feasible_plans(model, problem, candidates)
+            fitting = [r for r in feasible_plans(model, problem)
                        if r.estimate.allocator_peak_bytes <= self.max_bytes]
         if not fitting:
-            least = least_feasible(model, problem, candidates)
+            least = least_feasible(model, problem)
             raise ValueError(
                 f"no checkpoint plan fits a budget of {describe_bytes(self.max_bytes)} "
                 f"(activation memory as a BFC allocator counts it): the smallest "
@@ -132,20 +132,19 @@ class Budget:
         return dataclasses.replace(best, strategy=self.__name__, notes=best.notes + (note,))
 
 
-def least_feasible(model, problem=None, candidates=None) -> strategies.Result:
+def least_feasible(model, problem=None) -> strategies.Result:
     """The plan of least peak as a BFC allocator counts it among `feasible_plans`
     (ties: least recompute): its `estimate.allocator_peak_bytes` is the smallest
     budget `Budget` accepts."""
-    return min(feasible_plans(model, problem, candidates),
+    return min(feasible_plans(model, problem),
                key=lambda r: (r.estimate.allocator_peak_bytes, r.recompute_flops))
 
 
-def feasible_plans(model, problem=None, candidates=None) -> list:
+def feasible_plans(model, problem=None) -> list:
     """The plans the budgeted search can meet below the peaks of tf.gradients,
-    the 'speed' plan and the cut model's least-peak candidates (`candidates`:
-    `strategies.low_peak_candidates(model, problem)`, computed when not
-    given), and those, each with its allocator peak in its estimate (once per
-    model).
+    the 'speed' plan and the cut model's least-peak candidates
+    (`strategies.low_peak_candidates`), and those, each with its allocator peak
+    in its estimate (once per model).
 
     The search under a budget (`strategies.fitting_plan`) starts from the
     least-recompute plan under it and re-solves tighter: every plan it can
@@ -158,15 +157,14 @@ def feasible_plans(model, problem=None, candidates=None) -> list:
     Remembered per model and `strategies.LARGER_BATCHES`, which set the candidates.
     """
     return op_table.per_model(model, f"feasible_plans x{strategies.LARGER_BATCHES}",
-                              lambda m: _feasible_plans(m, problem, candidates))
+                              lambda m: _feasible_plans(m, problem))
 
 
-def _feasible_plans(model, problem, candidates):
+def _feasible_plans(model, problem):
     problem = problem or strategies.cut_problem(model)
-    if candidates is None:
-        candidates = strategies.low_peak_candidates(model, problem)
     met = [strategies.with_allocator_peak(model, r) for r in
-           candidates + [strategies.speed(model), strategies.stock(model, "stock")]]
+           strategies.low_peak_candidates(model, problem)
+           + [strategies.speed(model), strategies.stock(model, "stock")]]
     least = min(r.estimate.allocator_peak_bytes for r in met)
     for result in strategies.staircase(model, problem, least, "least feasible"):
         if result.peak_bytes < least:
