@@ -10,6 +10,7 @@ from memory_saving_gradients.core import op_table
 from memory_saving_gradients.core import timeline
 
 MAX_REPLAYED = 32  # allocator replays remembered per model (a budget runs a few)
+MAX_TAKEN = 64  # activation peaks remembered per model ('memory' ranks ~20 plans by it)
 
 
 def predict(model, plan) -> timeline.Estimate:
@@ -19,8 +20,13 @@ def predict(model, plan) -> timeline.Estimate:
 
 def activation_peak(model, plan) -> int:
     """`plan`'s peak with each weight gradient taken as it is made (an optimizer
-    step in the same graph), not held to the end as `predict` holds it."""
-    return timeline.activation_peak(model, plan)
+    step in the same graph), not held to the end as `predict` holds it; once
+    per model and plan: `strategies` ranks and judges each candidate by it
+    more than once, and each is a replay of the model."""
+    if plan is None or plan.stock:  # remembered per model by the timeline
+        return timeline.activation_peak(model, plan)
+    return _remembered(model, "activation_peaks", MAX_TAKEN, plan,
+                       lambda: timeline.activation_peak(model, plan))
 
 
 def with_allocator_peaks(model, plan, estimate) -> timeline.Estimate:
@@ -29,13 +35,19 @@ def with_allocator_peaks(model, plan, estimate) -> timeline.Estimate:
     once per model and plan: the replay costs about four predictions (0.29 s
     against 0.08 s on a 10,000-op model), so searches replay only the plans
     that already fit by bytes requested."""
-    seen = op_table.per_model(model, "allocator_replays", lambda _: {})
-    # What a plan's levels are made of (`strategies._priced`); the stock plan has none.
+    return _remembered(model, "allocator_replays", MAX_REPLAYED, plan,
+                       lambda: timeline.with_allocator_peaks(model, plan, estimate))
+
+
+def _remembered(model, table, most, plan, replay):
+    """`replay()`, remembered in the model's `table` (at most `most` plans) under
+    what a plan's levels are made of (`strategies._priced`)."""
+    seen = op_table.per_model(model, table, lambda _: {})
     key = (plan.stock, plan.kept, plan.loops)
     if key not in seen:
-        if len(seen) >= MAX_REPLAYED:
+        if len(seen) >= most:
             seen.clear()
-        seen[key] = timeline.with_allocator_peaks(model, plan, estimate)
+        seen[key] = replay()
     return seen[key]
 
 
