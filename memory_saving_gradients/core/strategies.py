@@ -242,8 +242,8 @@ def _bettered_by_larger(model, problem, taken, search) -> Result:
 
 def _lower_by_both(model, result, larger, taken) -> list:
     """Those of `larger` (plans chosen as for a larger batch) that peak no higher
-    than `result` by both counts (`_no_more_than`) and rank before it (the
-    ranked count, then recompute), `taken` as in `_chosen`.
+    than `result` by both counts (`_no_more_than`) and rank before it
+    (`_rank_key`), `taken` as in `_chosen`.
 
     Where the weight gradients outweigh the activations they set every plan's
     held peak alike, and the plans chosen at the traced sizes can keep a tail
@@ -253,7 +253,10 @@ def _lower_by_both(model, result, larger, taken) -> list:
     ranked count at less recompute would be taken where it keeps more
     activations as taken (InceptionV3 at 64 px: 10% more). Judged against the
     traced sizes' final plan (`result`), not their least-peak one, a `memory`
-    search from them is never above what it found without them."""
+    search from them is never above what it found without them by either
+    count; so a plan lower by the ranked count and higher by the other is not
+    taken (a random model ranked as taken: 108 MiB as taken and 102 held
+    against the traced choice's 111 and 99)."""
     ranks, guards = _counts(taken)
     judge, bound = _no_more_than(model, result, ranks, guards), counted_peak(model, result, ranks)
     key = _rank_key(model, ranks, guards)
@@ -355,7 +358,8 @@ def allocator_peak(model: GraphModel, result: Result) -> int:
 
 
 def speed(model: GraphModel) -> Result:
-    """Least peak among the plans that recompute no matmul, convolution or einsum.
+    """Least peak among the plans that recompute no matmul, convolution or einsum
+    (ties: `_rank_key`).
 
     Each op is in one interval, so it is recomputed at most once; the plan
     with no cut (tf.gradients' own memory) is among those searched.
@@ -376,8 +380,9 @@ def cut_problem(model: GraphModel):
 def _chosen(model, name, priced, taken=False) -> tuple:
     """(the plan of least predicted peak of `priced`, ties: the least peak by
     the other count, then the least recompute (`_rank_key`); None), or where
-    that plan is not below tf.gradients by both counts (`counted_peak`; as taken, equal to it passes for the plan ranked first),
-    (the next of them strictly below both, or tf.gradients itself; why).
+    that plan is not below tf.gradients by both counts (`counted_peak`; as
+    taken, equal to it passes for the plan ranked first), (the next of them
+    strictly below both, or tf.gradients itself; why).
     `taken`: the count with each weight gradient taken as it is made ranks,
     and the held count guards; else the other way round.
 
