@@ -32,6 +32,9 @@ from memory_saving_gradients.tfgraph import sized_shapes
 
 MIB = 2 ** 20
 SHAPE = (256, 1024)  # float32: 1 MiB
+# The scalars our gates make (an element of each tensor waited for, their flags)
+# are not modelled: a few bytes per level, alive beside the buffers.
+GATE_SCALARS = 1024
 
 # Op type -> its call on (a, c), two [256, 1024] float32 tensors; others
 # are called as unary ops on `a` or binary ones on (a, c).
@@ -270,7 +273,7 @@ def test_chain_of_forwarding_kernels_is_predicted_to_the_buffer(measured, plan, 
     # and 9 (26 and 10 before kernels writing over what they read last were
     # modelled): the plan's prediction still holds one buffer more (not found).
     predicted, peak = measured["chains"][f"{_tanh_layer.__name__} {plan}"]
-    assert 0 <= predicted - peak <= excess, (predicted / MIB, peak / MIB)
+    assert -GATE_SCALARS <= predicted - peak <= excess, (predicted / MIB, peak / MIB)
 
 
 @pytest.mark.parametrize("plan", [None, "memory"])
@@ -280,7 +283,7 @@ def test_forwarding_is_never_assumed_where_tensorflow_allocates(measured, layer,
     # gradient's result counted twice as forwarded (softmax, log1p), and `dy`
     # assumed free for a product that may run before its sibling (scaled).
     predicted, peak = measured["chains"][f"{layer.__name__} {plan}"]
-    assert 0 <= predicted - peak <= 1.25 * MIB, (predicted / MIB, peak / MIB)
+    assert -GATE_SCALARS <= predicted - peak <= 1.25 * MIB, (predicted / MIB, peak / MIB)
 
 
 def _measure_all():

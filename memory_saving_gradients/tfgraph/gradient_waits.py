@@ -214,6 +214,63 @@ def wait_for_gate(tensor: tf.Tensor, level_gate: tf.Tensor) -> tf.Tensor:
         return tensor + tf.cast(level_gate, tensor.dtype) * tf.zeros([], tensor.dtype)
 
 
+def held_gate(level_gate):
+    """A stand-in for `level_gate` for a level's seeds to wait for (`seed_after_gate`),
+    made to wait for the level's copies too once its gradient ops exist
+    (`hold_until_copied`); None if `level_gate` is None."""
+    if level_gate is None:
+        return None
+    with tf.name_scope("wait_for_copies"):
+        return tf.identity(level_gate)
+
+
+def hold_until_copied(hold, level_gate, level_ops: list, copies: list, gradients: list) -> int:
+    """Makes `hold` (`held_gate` of `level_gate`) exist only once every copy the
+    level's backprop reads has run.
+
+    The planner's timeline runs a level's copies, then its gradient ops; TF's
+    executor with several threads ran a gradient op as soon as its inputs existed,
+    beside the copies still running (EfficientNetB2: a batch norm's product of
+    the gradient and the recomputed input beside its recomputed variance's
+    squared differences, one more full-size buffer than predicted). The seeds
+    read `hold`, and every gradient op waits for a seed (captured_reads.py).
+    `level_ops`: the ops made for the level, in order; `copies`: its copied
+    tensors; `gradients`: those its backprop made. Copies that wait for the seeds
+    themselves (a loop rerun in turn, loop_rerun.py) are not waited for.
+    Returns how many tensors `hold` waits for.
+    """
+    if hold is None:
+        return 0
+    among = set(level_ops)
+    after_seeds = _walk_forward([hold.op], among)
+    copy_ops = {t.op for t in copies}
+    live = _walk_back(among, [t.op for g in gradients for t in gradient_tensors(g)])
+    read = {}
+    for op in level_ops:
+        if op in live and (op not in copy_ops or op in after_seeds):
+            for t in op.inputs:
+                if t.op in copy_ops and t.op not in after_seeds and is_numeric(t.dtype):
+                    read[t.name] = t
+    if not read:
+        return 0
+    with tf.name_scope("wait_for_copies"):
+        copied = _gate_of(list(read.values()), {})
+        compat.replace_input(hold.op, 0, tf.logical_and(level_gate, copied))
+    return len(read)
+
+
+def _walk_forward(starts: list, among: set) -> set:
+    """The ops of `among` that run after an op of `starts` (through data or control)."""
+    found, todo = set(), list(starts)
+    while todo:
+        op = todo.pop()
+        for later in [c for t in op.outputs for c in t.consumers()] + compat.control_outputs(op):
+            if later in among and later not in found:
+                found.add(later)
+                todo.append(later)
+    return found
+
+
 def seed_after_gate(seed, level_gate):
     """`seed` (a dense gradient a level starts from), readable only once
     `level_gate` exists.

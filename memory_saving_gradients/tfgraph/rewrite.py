@@ -10,8 +10,10 @@ while_v2's own gradient adds accumulators. Backprop runs in three phases:
 2. level by level, last level first: copy the level's segment so it runs once
    the gradient reaches it and the previous phase has made all its gradients
    (weight gradients included, so its recomputed tensors are free, whatever
-   the executor's thread count), differentiate the copies, and send the
-   partial gradients on to the checkpoints, weights and xs the copies read;
+   the executor's thread count), differentiate the copies (the gradient ops
+   start once the copies they read have all run, as the planner's timeline
+   has it), and send the partial gradients on to the checkpoints, weights and
+   xs the copies read;
 3. to the xs: the weights' partial gradients (region tensors that depend only
    on xs) through the original ops, in one call.
 
@@ -252,6 +254,7 @@ class _Backprop:
     def _through_copies(self, level: Level) -> tuple:
         """Copies and differentiates the level; returns (copies, gradients made)."""
         stubs, made = {}, {}
+        first_op = len(self._graph.get_operations())
         arrived = [self._seeds[c] for c in level.checkpoints if c in self._seeds]
         level_gate = (gradient_waits.gate(arrived + self._released)
                       if level.copy_ops and self._reading.gated else None)
@@ -267,10 +270,15 @@ class _Backprop:
         if not roots:
             return copies, []
         mapped = [copies.get(s.name, s) for s in self._stops]
-        seeds = [gradient_waits.seed_after_gate(self._seeds[c], level_gate) for c in roots]
-        return copies, self._differentiate(
+        hold = gradient_waits.held_gate(level_gate)
+        seeds = [gradient_waits.seed_after_gate(self._seeds[c], hold) for c in roots]
+        gradients = self._differentiate(
             list(stubs.values()), [copies[c] for c in roots], seeds, mapped,
             names=list(stubs), copies=copies)
+        # The level's gradient ops wait for its copies, as the timeline runs them.
+        gradient_waits.hold_until_copied(hold, level_gate, self._graph.get_operations()[first_op:],
+                                         list(copies.values()), gradients)
+        return copies, gradients
 
     def to_xs(self) -> None:
         """Phase 3: the weights' partial gradients to the xs, in one pass."""
