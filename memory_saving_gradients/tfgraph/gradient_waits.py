@@ -236,8 +236,14 @@ def hold_until_copied(hold, level_gate, level_ops: list, copies: list, gradients
     read `hold`, and every gradient op waits for a seed (captured_reads.py).
     `level_ops`: the ops made for the level, in order; `copies`: its copied
     tensors; `gradients`: those its backprop made. Copies that wait for the seeds
-    themselves (a loop rerun in turn, loop_rerun.py) are not waited for.
-    Returns how many tensors `hold` waits for.
+    themselves (a loop rerun in turn, loop_rerun.py) are not waited for. A
+    gradient the caller never fetches still counts: its copies then run where
+    TensorFlow pruned them (as they do in a training step, which fetches all).
+    The one edge that runs against creation order: `hold`, made before the
+    gradient ops, reads the gate made after them (which reads only copies and
+    `level_gate`, both older than `hold`); passes that take creation order for
+    an order of runs (leaf_order.py, constant_push_down.py) see `hold` as
+    carrying no gradient. Returns how many tensors `hold` waits for.
     """
     if hold is None:
         return 0
