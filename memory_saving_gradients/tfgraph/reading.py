@@ -31,6 +31,7 @@ from memory_saving_gradients.tfgraph import loop_memory
 from memory_saving_gradients.tfgraph import loops
 from memory_saving_gradients.tfgraph import op_kinds
 from memory_saving_gradients.tfgraph import sized_shapes
+from memory_saving_gradients.tfgraph import static_values
 from memory_saving_gradients.tfgraph import conv_gradients
 from memory_saving_gradients.tfgraph import grouped_conv_calls
 from memory_saving_gradients.tfgraph import transposed_copies
@@ -40,6 +41,8 @@ from memory_saving_gradients.tfgraph import workspace
 # walks back through them to the op that made a buffer.
 _PASS_THROUGH_OP_TYPES = timeline.ALIASING_OP_TYPES | {
     "EnsureShape", "CheckNumerics", "CheckNumericsV2", "Switch", "RefSwitch", "Enter", "RefEnter"}
+# Gathers of rows: the gradient of the table (input 0) is an IndexedSlices.
+_ROW_GATHER_OP_TYPES = frozenset({"GatherV2", "Gather"})
 # Sources of the back edges of tf.compat.v1 while loops.
 _BACK_EDGE_OP_TYPES = frozenset({"NextIteration", "RefNextIteration"})
 
@@ -488,5 +491,25 @@ def _record_backprop(op, op_inputs, activations, regions, settings, backprop):
     if stock != measured:
         backprop["stock_workspace"][name] = scratch + stock
     backprop["weight_grad_bytes"][name] = sum(
-        op_kinds.tensor_bytes(t) for t in op_inputs if t.name in weights and t.dtype.is_floating)
+        _weight_gradient_bytes(op, t) for t in op_inputs
+        if t.name in weights and t.dtype.is_floating)
     return linear
+
+
+def _weight_gradient_bytes(op, weight) -> int:
+    """Bytes of the gradient `op` sends to its input `weight`: for the table
+    a gather reads whole rows of (a Keras `Embedding`'s read variable), an
+    IndexedSlices of those rows and their indices; else the weight's size."""
+    if (op.type in _ROW_GATHER_OP_TYPES and op.inputs[0] is weight
+            and _gathers_along_first_axis(op)):
+        return op_kinds.tensor_bytes(op.outputs[0]) + op_kinds.tensor_bytes(op.inputs[1])
+    return op_kinds.tensor_bytes(weight)
+
+
+def _gathers_along_first_axis(op) -> bool:
+    """Whether a gather's gradient for its table is an IndexedSlices: axis 0,
+    no batch dimensions (TensorFlow's gather gradient is dense otherwise)."""
+    if op.type == "Gather":
+        return True
+    axis = static_values.static_value(op.inputs[2])
+    return axis is not None and int(axis) == 0 and op.get_attr("batch_dims") == 0
