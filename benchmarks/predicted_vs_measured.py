@@ -111,6 +111,25 @@ def small_lstm(steps=16, features=32, units=64, batch=64):
     return build, _sequence_data(batch, steps, features)
 
 
+def text_classifier(vocabulary=20000, steps=64, units=64, batch=16, classes=5):
+    """Embedding, a Bidirectional GRU and max pooling: the table's gradient is
+    the rows read (an IndexedSlices), far less than the table."""
+    def build():
+        import keras
+        keras.utils.set_random_seed(0)
+        return keras.Sequential([
+            keras.Input((steps,), dtype="int32"), keras.layers.Embedding(vocabulary, units),
+            keras.layers.Bidirectional(keras.layers.GRU(units, return_sequences=True)),
+            keras.layers.GlobalMaxPooling1D(), keras.layers.Dense(classes)])
+
+    def data():
+        import numpy as np
+        rng = np.random.default_rng(0)
+        return (rng.integers(0, vocabulary, size=(batch, steps)).astype(np.int32),
+                rng.integers(0, classes, size=batch).astype(np.int32))
+    return build, data
+
+
 def _sequence_data(batch, steps, features):
     def data():
         import numpy as np
@@ -131,6 +150,7 @@ MODELS = {**SMALL_MODELS,
     "bert4": family_model("bert", 4), "gpt2": family_model("gpt2", 4),
     "llama": family_model("llama", 4),
     "mlp256": family_model("mlp", 256),  # issue 15's time target (docs/planner.md)
+    "text_bigru": text_classifier(),
     **{name: family_model(name, 64) for name in APPLICATIONS + ("unet", "unet_keras_io")},
     **{name: family_model(name, pixels) for name, pixels in HELD_OUT.items()},
 }
