@@ -111,6 +111,38 @@ def small_lstm(steps=16, features=32, units=64, batch=64):
     return build, _sequence_data(batch, steps, features)
 
 
+def vision_transformer(pixels=32, patch=4, width=64, heads=4, blocks=4, batch=16):
+    """A small ViT: patches by a strided convolution, a class token joined by
+    concatenation, pre-norm attention and GELU blocks, the class token's head."""
+    def build():
+        import keras
+        import tensorflow as tf
+
+        class ClassToken(keras.layers.Layer):
+            def build(self, shape):
+                self.token = self.add_weight(shape=(1, 1, shape[-1]), initializer="normal")
+                self.position = self.add_weight(shape=(1, shape[1] + 1, shape[-1]),
+                                                initializer="normal")
+
+            def call(self, patches):
+                token = tf.tile(self.token, [tf.shape(patches)[0], 1, 1])
+                return tf.concat([token, patches], axis=1) + self.position
+
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((pixels, pixels, 3))
+        h = keras.layers.Conv2D(width, patch, strides=patch)(inputs)
+        h = ClassToken()(keras.layers.Reshape(((pixels // patch) ** 2, width))(h))
+        for _ in range(blocks):
+            a = keras.layers.LayerNormalization()(h)
+            h = h + keras.layers.MultiHeadAttention(heads, width // heads)(a, a)
+            f = keras.layers.Dense(4 * width, activation="gelu")(
+                keras.layers.LayerNormalization()(h))
+            h = h + keras.layers.Dense(width)(f)
+        h = keras.layers.LayerNormalization()(h)
+        return keras.Model(inputs, keras.layers.Dense(10)(h[:, 0]))
+    return build, lambda: image_data(batch, pixels)
+
+
 def text_classifier(vocabulary=20000, steps=64, units=64, batch=16, classes=5):
     """Embedding, a Bidirectional GRU and max pooling: the table's gradient is
     the rows read (an IndexedSlices), far less than the table."""
@@ -150,7 +182,7 @@ MODELS = {**SMALL_MODELS,
     "bert4": family_model("bert", 4), "gpt2": family_model("gpt2", 4),
     "llama": family_model("llama", 4),
     "mlp256": family_model("mlp", 256),  # issue 15's time target (docs/planner.md)
-    "text_bigru": text_classifier(),
+    "text_bigru": text_classifier(), "vit": vision_transformer(),
     **{name: family_model(name, 64) for name in APPLICATIONS + ("unet", "unet_keras_io")},
     **{name: family_model(name, pixels) for name, pixels in HELD_OUT.items()},
 }
