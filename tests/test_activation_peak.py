@@ -184,3 +184,21 @@ def test_a_gather_along_another_axis_sends_a_dense_gradient():
     step(tf.range(8))
     (gather,) = [op for op in found["bytes"] if op.endswith("GatherV2")]
     assert found["bytes"][gather] == 300 * 400 * 4
+
+
+def test_a_weight_cast_to_a_narrower_float_returns_a_gradient_of_its_own_width():
+    # A float32 variable read as bfloat16 (as a mixed-precision layer does):
+    # tf.gradients returns a float32 gradient, counted as float32.
+    w = tf.Variable(tf.ones([256, 512]))
+    found = {}
+
+    @tf.function
+    def step(x):
+        h = tf.matmul(tf.cast(x, tf.bfloat16), tf.cast(w, tf.bfloat16))
+        loss = tf.reduce_sum(tf.tanh(tf.cast(h, tf.float32)))
+        found["bytes"] = msg.checkpoint_plan(loss, [w], "memory").model.weight_grad_bytes
+        (grad,) = tf.gradients(loss, [w])
+        return grad
+
+    assert step(tf.ones([16, 256])).dtype == tf.float32
+    assert sum(found["bytes"].values()) == 256 * 512 * 4

@@ -497,13 +497,26 @@ def _record_backprop(op, op_inputs, activations, regions, settings, backprop):
 
 
 def _weight_gradient_bytes(op, weight) -> int:
-    """Bytes of the gradient `op` sends to its input `weight`: for the table
-    a gather reads whole rows of (a Keras `Embedding`'s read variable), an
-    IndexedSlices of those rows and their indices; else the weight's size."""
+    """Bytes of the gradient `op` sends on to the weight `weight` is read
+    from: for the table a gather reads whole rows of (a Keras `Embedding`'s
+    read variable), an IndexedSlices of those rows and their indices; else
+    the weight's size. Either in the dtype of the float the weight was cast
+    from (a mixed-precision layer reads its float32 variable as float16; the
+    gradient returned is float32)."""
+    item = _source_item_bytes(weight)
     if (op.type in _ROW_GATHER_OP_TYPES and op.inputs[0] is weight
             and _gathers_along_first_axis(op)):
-        return op_kinds.tensor_bytes(op.outputs[0]) + op_kinds.tensor_bytes(op.inputs[1])
-    return op_kinds.tensor_bytes(weight)
+        return (op_kinds.tensor_elements(op.outputs[0]) * item
+                + op_kinds.tensor_bytes(op.inputs[1]))
+    return op_kinds.tensor_elements(weight) * item
+
+
+def _source_item_bytes(weight) -> int:
+    """Bytes per element of the float tensor `weight` was cast from, else its own."""
+    while (weight.op.type in ("Cast", "Identity") and weight.op.inputs
+           and weight.op.inputs[0].dtype.is_floating):
+        weight = weight.op.inputs[0]
+    return weight.dtype.size
 
 
 def _gathers_along_first_axis(op) -> bool:
