@@ -169,21 +169,29 @@ def test_an_embedding_tables_gradient_is_the_rows_read():
     assert ours < 0.75 * stock, (ours, stock)
 
 
-def test_a_gather_along_another_axis_sends_a_dense_gradient():
-    # Columns picked by the step's input: the gradient is the whole table.
+@pytest.mark.parametrize("gather", [
+    lambda table, ids: tf.gather(table, ids, axis=1),
+    # An axis TensorFlow's gather gradient cannot read when the graph is built.
+    lambda table, ids: tf.gather(table, ids, axis=tf.rank(table) - 2),
+    # An op between the variable and the gather makes the rows dense.
+    lambda table, ids: tf.transpose(tf.gather(table * 2.0, ids)),
+    lambda table, ids: tf.transpose(tf.gather(table[1:], ids)),
+], ids=["axis 1", "axis computed", "scaled table", "sliced table"])
+def test_a_gather_whose_table_gradient_is_dense_counts_the_table(gather):
     table = tf.Variable(tf.ones([300, 400]))
     found = {}
 
     @tf.function
-    def step(columns):
-        picked = tf.gather(table, columns, axis=1)  # [300, 8]
+    def step(ids):
+        picked = gather(table, ids)
         loss = tf.reduce_sum(tf.tanh(picked))
         found["bytes"] = msg.checkpoint_plan(loss, [table], "memory").model.weight_grad_bytes
-        return loss
+        return tf.gradients(loss, [table])[0]
 
-    step(tf.range(8))
-    (gather,) = [op for op in found["bytes"] if op.endswith("GatherV2")]
-    assert found["bytes"][gather] == 300 * 400 * 4
+    returned = step(tf.range(8))
+    assert isinstance(returned, tf.Tensor)  # dense, not an IndexedSlices
+    (gather_op,) = [op for op in found["bytes"] if op.endswith("GatherV2")]
+    assert found["bytes"][gather_op] == pytest.approx(300 * 400 * 4, rel=0.01)
 
 
 def test_a_weight_cast_to_a_narrower_float_returns_a_gradient_of_its_own_width():

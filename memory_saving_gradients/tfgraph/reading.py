@@ -31,7 +31,6 @@ from memory_saving_gradients.tfgraph import loop_memory
 from memory_saving_gradients.tfgraph import loops
 from memory_saving_gradients.tfgraph import op_kinds
 from memory_saving_gradients.tfgraph import sized_shapes
-from memory_saving_gradients.tfgraph import static_values
 from memory_saving_gradients.tfgraph import conv_gradients
 from memory_saving_gradients.tfgraph import grouped_conv_calls
 from memory_saving_gradients.tfgraph import transposed_copies
@@ -503,26 +502,34 @@ def _weight_gradient_bytes(op, weight) -> int:
     the weight's size. Either in the dtype of the float the weight was cast
     from (a mixed-precision layer reads its float32 variable as float16; the
     gradient returned is float32)."""
-    item = _source_item_bytes(weight)
+    item = _cast_source(weight).dtype.size
     if (op.type in _ROW_GATHER_OP_TYPES and op.inputs[0] is weight
-            and _gathers_along_first_axis(op)):
+            and _gathers_along_first_axis(op) and _read_as_it_is(weight)):
         return (op_kinds.tensor_elements(op.outputs[0]) * item
                 + op_kinds.tensor_bytes(op.inputs[1]))
     return op_kinds.tensor_elements(weight) * item
 
 
-def _source_item_bytes(weight) -> int:
-    """Bytes per element of the float tensor `weight` was cast from, else its own."""
-    while (weight.op.type in ("Cast", "Identity") and weight.op.inputs
-           and weight.op.inputs[0].dtype.is_floating):
-        weight = weight.op.inputs[0]
-    return weight.dtype.size
-
-
 def _gathers_along_first_axis(op) -> bool:
-    """Whether a gather's gradient for its table is an IndexedSlices: axis 0,
-    no batch dimensions (TensorFlow's gather gradient is dense otherwise)."""
+    """Whether a gather's gradient for its table is an IndexedSlices: axis 0
+    as TensorFlow's gather gradient sees it (`tf.get_static_value`), no batch
+    dimensions; that gradient is dense otherwise."""
     if op.type == "Gather":
         return True
-    axis = static_values.static_value(op.inputs[2])
+    axis = tf.get_static_value(op.inputs[2])
     return axis is not None and int(axis) == 0 and op.get_attr("batch_dims") == 0
+
+
+def _read_as_it_is(table) -> bool:
+    """Whether `table` is a variable's value or a fed tensor through casts and
+    identities only: any other op between (a scale, a slice, a reshape) makes
+    the IndexedSlices dense on its way to the variable."""
+    return _cast_source(table).op.type in ("ReadVariableOp", "Placeholder")
+
+
+def _cast_source(tensor):
+    """`tensor` before the float casts and identities it went through."""
+    while (tensor.op.type in ("Cast", "Identity") and tensor.op.inputs
+           and tensor.op.inputs[0].dtype.is_floating):
+        tensor = tensor.op.inputs[0]
+    return tensor
