@@ -86,17 +86,23 @@ def small_cnn(pixels=32, blocks=8, channels=16, batch=32):
     return build, lambda: image_data(batch, pixels)
 
 
+def _pre_norm_blocks(h, blocks, width, heads):
+    """`blocks` pre-norm transformer blocks (attention, then a 4x GELU MLP) on `h`."""
+    import keras
+    for _ in range(blocks):
+        a = keras.layers.LayerNormalization()(h)
+        h = h + keras.layers.MultiHeadAttention(heads, width // heads)(a, a)
+        f = keras.layers.Dense(4 * width, activation="gelu")(keras.layers.LayerNormalization()(h))
+        h = h + keras.layers.Dense(width)(f)
+    return h
+
+
 def transformer_encoder(blocks=4, seq=64, hidden=64, heads=4, batch=8):
     """A stack of pre-norm transformer encoder blocks (attention and FFN) and a head."""
     def build():
         import keras
-        inputs = h = keras.Input((seq, hidden))
-        for _ in range(blocks):
-            a = keras.layers.LayerNormalization()(h)
-            h = h + keras.layers.MultiHeadAttention(heads, hidden // heads)(a, a)
-            f = keras.layers.Dense(4 * hidden, activation="gelu")(
-                keras.layers.LayerNormalization()(h))
-            h = h + keras.layers.Dense(hidden)(f)
+        inputs = keras.Input((seq, hidden))
+        h = _pre_norm_blocks(inputs, blocks, hidden, heads)
         return keras.Model(inputs, keras.layers.Dense(10)(keras.layers.GlobalAveragePooling1D()(h)))
     return build, _sequence_data(batch, seq, hidden)
 
@@ -132,13 +138,7 @@ def vision_transformer(pixels=32, patch=4, width=64, heads=4, blocks=4, batch=16
         inputs = keras.Input((pixels, pixels, 3))
         h = keras.layers.Conv2D(width, patch, strides=patch)(inputs)
         h = ClassToken()(keras.layers.Reshape(((pixels // patch) ** 2, width))(h))
-        for _ in range(blocks):
-            a = keras.layers.LayerNormalization()(h)
-            h = h + keras.layers.MultiHeadAttention(heads, width // heads)(a, a)
-            f = keras.layers.Dense(4 * width, activation="gelu")(
-                keras.layers.LayerNormalization()(h))
-            h = h + keras.layers.Dense(width)(f)
-        h = keras.layers.LayerNormalization()(h)
+        h = keras.layers.LayerNormalization()(_pre_norm_blocks(h, blocks, width, heads))
         return keras.Model(inputs, keras.layers.Dense(10)(h[:, 0]))
     return build, lambda: image_data(batch, pixels)
 
