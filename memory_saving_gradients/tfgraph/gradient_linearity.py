@@ -96,7 +96,7 @@ def is_linear(ops, seeds, results) -> bool:
         if any(id(t) in bent for t in op.inputs):
             bent.update(id(t) for t in op.outputs)
         elif not reading:
-            if _is_zero_maker(op) or (op.type in _PRODUCTS
+            if is_zero_maker(op) or (op.type in _PRODUCTS
                                       and any(id(t) in zero for t in op.inputs)):
                 zero.update(id(t) for t in op.outputs)
         elif op.type == "IdentityN":  # each output is its own input
@@ -167,7 +167,7 @@ def _data_inputs(op) -> set:
     return set(range(count))
 
 
-def _is_zero_maker(op) -> bool:
+def is_zero_maker(op) -> bool:
     """An op whose output is all zeros: a zero constant, a zero fill, zeros_like."""
     if op.type == "ZerosLike":
         return True

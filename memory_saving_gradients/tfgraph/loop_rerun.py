@@ -14,6 +14,7 @@ from typing import Iterator
 import tensorflow as tf
 
 from memory_saving_gradients.tfgraph import compat
+from memory_saving_gradients.tfgraph import gradient_linearity
 from memory_saving_gradients.tfgraph import loop_recording
 from memory_saving_gradients.tfgraph import loops
 from memory_saving_gradients.tfgraph import gradient_waits
@@ -49,9 +50,9 @@ def differentiate_rerun(graph, inputs, grads, rerun, after=()):
 
 def _without_filled_zeros(grads):
     """`grads` with the zeros tf.gradients fills in for the loop's outputs that
-    get no gradient (a `ZerosLike` of the output, or a `Fill` of zeros) as
-    None, where another gradient arrived: the rerun's own gradient adds the
-    same nothing.
+    get no gradient (a `ZerosLike` of the output, or a `Fill` of zeros where
+    its shape is known; `gradient_linearity.is_zero_maker`) as None, where
+    another gradient arrived: the rerun's own gradient adds the same nothing.
 
     Those zeros read the loop's outputs, not the gradient, so the executor made
     them as soon as the loop ran, in the forward pass for a loop differentiated
@@ -60,19 +61,11 @@ def _without_filled_zeros(grads):
     batch 512, 16 steps, 128 features). Left unused, they are not run.
     """
     def filled(g):
-        if g is None:
-            return False
-        op = gradient_waits.gradient_values(g).op
-        # A known shape's zeros are a Fill (`tf.zeros`), an unknown one's a ZerosLike.
-        return op.type == "ZerosLike" or (
-            op.type == "Fill" and _is_zero(tf.get_static_value(op.inputs[1])))
+        return g is not None and gradient_linearity.is_zero_maker(
+            gradient_waits.gradient_values(g).op)
     if all(g is None or filled(g) for g in grads):
         return grads
     return [None if filled(g) else g for g in grads]
-
-
-def _is_zero(value) -> bool:
-    return value is not None and not value.any()
 
 
 class _Turns:
