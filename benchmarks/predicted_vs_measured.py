@@ -162,6 +162,50 @@ def text_classifier(vocabulary=20000, steps=64, units=64, batch=16, classes=5):
     return build, data
 
 
+def wavenet(steps=1024, channels=32, dilations=(1, 2, 4, 8, 16, 32) * 2, batch=8):
+    """WaveNet-style stack: causal dilated Conv1D pairs gated by tanh and sigmoid,
+    1x1 residual and skip convolutions, the skips summed into the head."""
+    def build():
+        import keras
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((steps, 1))
+        h = keras.layers.Conv1D(channels, 1)(inputs)
+        skips = []
+        for rate in dilations:
+            gate = keras.layers.Multiply()([
+                keras.layers.Conv1D(channels, 2, padding="causal", dilation_rate=rate,
+                                    activation="tanh")(h),
+                keras.layers.Conv1D(channels, 2, padding="causal", dilation_rate=rate,
+                                    activation="sigmoid")(h)])
+            h = keras.layers.Add()([h, keras.layers.Conv1D(channels, 1)(gate)])
+            skips.append(keras.layers.Conv1D(channels, 1)(gate))
+        out = keras.layers.Conv1D(channels, 1, activation="relu")(
+            keras.layers.ReLU()(keras.layers.Add()(skips)))
+        return keras.Model(inputs, keras.layers.Dense(10)(keras.layers.GlobalAveragePooling1D()(out)))
+    return build, _sequence_data(batch, steps, 1)
+
+
+def shared_block_stack(repeats=8, pixels=32, channels=32, batch=16):
+    """One Keras sub-model (two Conv-BN-ReLU layers) applied `repeats` times with a
+    residual around each, its weights shared (ALBERT-style): each weight's partial
+    gradients, one per application, are summed."""
+    def build():
+        import keras
+        keras.utils.set_random_seed(0)
+        block_input = keras.Input((pixels, pixels, channels))
+        h = block_input
+        for _ in range(2):
+            h = keras.layers.Conv2D(channels, 3, padding="same", use_bias=False)(h)
+            h = keras.layers.ReLU()(keras.layers.BatchNormalization()(h))
+        block = keras.Model(block_input, h)
+        inputs = keras.Input((pixels, pixels, 3))
+        h = keras.layers.Conv2D(channels, 3, padding="same")(inputs)
+        for _ in range(repeats):
+            h = keras.layers.Add()([h, block(h)])
+        return keras.Model(inputs, keras.layers.Dense(10)(keras.layers.GlobalAveragePooling2D()(h)))
+    return build, lambda: image_data(batch, pixels)
+
+
 def _sequence_data(batch, steps, features):
     def data():
         import numpy as np
@@ -183,6 +227,7 @@ MODELS = {**SMALL_MODELS,
     "llama": family_model("llama", 4),
     "mlp256": family_model("mlp", 256),  # issue 15's time target (docs/planner.md)
     "text_bigru": text_classifier(), "vit": vision_transformer(),
+    "wavenet": wavenet(), "shared_blocks": shared_block_stack(),
     **{name: family_model(name, 64) for name in APPLICATIONS + ("unet", "unet_keras_io")},
     **{name: family_model(name, pixels) for name, pixels in HELD_OUT.items()},
 }
