@@ -55,6 +55,7 @@ import dataclasses
 
 import numpy as np
 
+from memory_saving_gradients.core import op_table
 from memory_saving_gradients.core import timeline
 from memory_saving_gradients.core.model import GraphModel
 
@@ -100,7 +101,8 @@ class CutProblem:
 
 
 def from_model(model: GraphModel, max_cuts=None, cut_after=None) -> CutProblem:
-    """The cut problem of a core GraphModel (one entry per op of `model.order`).
+    """The cut problem of a core GraphModel (one entry per op of
+    `model.forward_order`: a cut separates what the forward pass has run).
 
     `max_cuts` limits the candidate cuts (all op boundaries when None): the
     order is split into that many windows of equal activation bytes, and the
@@ -108,7 +110,7 @@ def from_model(model: GraphModel, max_cuts=None, cut_after=None) -> CutProblem:
     `cut_after(op_type)`: ops after which a cut is always a candidate.
     """
     tensors = model.tensors
-    ops = tuple(dict.fromkeys(tensors[n].op for n in model.order))
+    ops = op_table.forward_order(model)
     position = {op: i for i, op in enumerate(ops)}
     end = len(ops)
     op_bytes = np.zeros(end, np.int64)

@@ -120,7 +120,10 @@ class GraphModel:
     Attributes:
       graph: DiGraph over activation names; an edge a -> b means b's op reads a.
       tensors: activation name -> Activation.
-      order: activation names in a topological order.
+      order: activation names in a topological order (the order they were
+        made in; backprop is replayed in its reverse).
+      forward_order: the same names in the order the forward pass is taken to
+        run them (`forward_order.freeing_ops_sooner`); empty: `order`.
       pinned: activations that must be kept, whole ops at a time.
       ys: names of the ys that are activations.
       op_outputs: op name -> its activation output names (the unit a
@@ -223,6 +226,7 @@ class GraphModel:
     pinned: frozenset[str]
     ys: tuple[str, ...]
     op_outputs: Mapping[str, tuple[str, ...]]
+    forward_order: tuple[str, ...] = ()
     other_bytes: int = 0
     num_region_ops: int = 0
     grad_reads: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)

@@ -80,6 +80,13 @@ def order(model: GraphModel) -> tuple:
                      lambda m: tuple(dict.fromkeys(m.tensors[n].op for n in m.order)))
 
 
+def forward_order(model: GraphModel) -> tuple:
+    """Op names in the order the forward pass runs them (by their first output in
+    `model.forward_order`, or in `model.order` where that is empty)."""
+    return per_model(model, "forward_order", lambda m: tuple(dict.fromkeys(
+        m.tensors[n].op for n in m.forward_order or m.order)))
+
+
 def _build_rows(model):
     graph, tensors = model.graph, model.tensors
     table = {}

@@ -361,7 +361,7 @@ class _Replay(LoopEvents):
         self.alias, self.transient = dict(done.alias), list(done.transient)
         self.transient_kinds = dict(done.transient_kinds)
         self.forwards, self.running = list(done.forwards), dict(done.running)
-        for number, op in enumerate(op_order(self.model), start=1):
+        for number, op in enumerate(op_table.forward_order(self.model), start=1):
             if op in self.model.loops:
                 self.step = number  # the step the loop ran at
                 self._loop_forward(op, self.model.loops[op], ("fwd",))
@@ -745,7 +745,7 @@ def _forward_pass_of(model):
     replay = _Replay(model)
     for name, size in model.outside_bytes.items():  # made before the region's ops
         replay._alloc(_original(name), size)  # pylint: disable=protected-access
-    for op in op_order(model):
+    for op in op_table.forward_order(model):
         replay._forward(op, _original, ("fwd",))  # pylint: disable=protected-access
     return replay
 

@@ -15,6 +15,7 @@ import networkx as nx
 import tensorflow as tf
 
 from memory_saving_gradients.core import collector
+from memory_saving_gradients.core import forward_order
 from memory_saving_gradients.core import stock_order
 from memory_saving_gradients.core import timeline
 from memory_saving_gradients.core.model import Activation
@@ -266,11 +267,14 @@ def build_model(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor],
     graph = nx.DiGraph()
     graph.add_nodes_from(tensors)  # in order, then the edges in order: as added op by op
     graph.add_edges_from(edges)
+    ys_read = tuple(y.name for y in ys if y.name in activations)
     model = GraphModel(
         graph=graph, tensors=tensors, pinned=frozenset(pinned),
         unsized=_unsized(units, tensors), unknown_dim_size=sized_shapes.assumed_size(),
-        order=tuple(tensors),
-        ys=tuple(y.name for y in ys if y.name in activations),
+        order=tuple(tensors), ys=ys_read,
+        forward_order=forward_order.freeing_ops_sooner(
+            tuple(tensors), graph, {n: t.op for n, t in tensors.items()},
+            {n: t.bytes for n, t in tensors.items()}, ys_read),
         op_outputs=op_outputs, other_bytes=other_bytes, num_region_ops=len(ops),
         loops=loop_facts, weights_first=frozenset(weights_first),
         deferred_weight_gradient_types=_deferred_weight_gradient_types(units, concurrent),
