@@ -1,5 +1,6 @@
-"""The forward pass's order: ops that free what they make run as soon as they can
-(core/forward_order.py), so a branch Keras calls late is planned within its layer."""
+"""The forward pass's order: ops that free at least what they make run as soon as
+they can (core/forward_order.py), so a branch Keras calls late is planned within
+its layer."""
 
 import random
 
@@ -118,7 +119,8 @@ def test_a_side_branch_called_late_is_planned_within_its_layer():
     # Allocator peak less the weight gradients, "memory" / tf.gradients: 0.49 in
     # creation order (c683cbd: every gate kept for its skip projection), 0.21
     # with the freeing ops moved up. The benchmark's 12-layer dilated Conv1D
-    # WaveNet: 0.57 -> 0.3 (docs/planner.md, session 77).
+    # WaveNet: 0.57 / 0.57 -> 0.36 / 0.37, default / one thread (docs/planner.md,
+    # session 77).
     model = _wavenet()
     x = tf.constant(np.random.default_rng(0).normal(size=(512, 256)), tf.float32)
     stock, ours = _steps(model)
