@@ -83,12 +83,16 @@ def test_fit_updates_each_weight_once_its_gradient_is_made():
     """Eight 4 MiB weight gradients: stock `fit` peaks at two or three of them
     (each update waits for its own gradient, with SGD's scaled copy beside
     it); with Grappler's dependency optimizer off, the IdentityN stays and the
-    stock step holds all eight."""
+    stock step holds all eight.
+
+    All eight less half of one: the count starts at the call, and buffers made
+    before it and freed in it (the data pipeline's 32 KiB batches) lower it. It
+    measured 65-130 KiB above eight gradients here, and once 101 KiB below in CI."""
     layers, width = 8, 1024
-    every_gradient = layers * width * width * 4
-    assert _fit_peak(layers, width) < every_gradient / 2
+    gradient = width * width * 4
+    assert _fit_peak(layers, width) < layers * gradient / 2
     with _dependency_optimizer_off():
-        assert _fit_peak(layers, width) >= every_gradient
+        assert _fit_peak(layers, width) >= layers * gradient - gradient / 2
 
 
 @pytest.mark.parametrize("optimizer", [
