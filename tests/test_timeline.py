@@ -15,6 +15,7 @@ from memory_saving_gradients.core import timeline
 from memory_saving_gradients.core.model import Activation
 from memory_saving_gradients.core.model import GraphModel
 from memory_saving_gradients.core.model import Loop
+from memory_saving_gradients.core.model import WeightSum
 
 B = 100
 
@@ -119,6 +120,32 @@ def test_activation_peak_leaves_weight_gradients_out_while_they_live():
     assert activations == timeline.predict(model).peak_bytes >= 6 * B
     assert whole == timeline.predict(late).peak_bytes + 10 * B
     assert timeline.predict(late).peak_bytes < activations
+
+
+def test_a_weights_parts_are_held_until_added_up_and_only_the_sum_is_returned():
+    # A table read at the top (a tied output layer: 10 B, dense) and by a
+    # gather at the bottom (2 B of rows). The rows are made dense beside the
+    # first part, and AddN writes the sum over them: the whole step peaks at
+    # the last gradient one table higher (2 B of gradients in flight), and the
+    # output layer's part, not returned, is an activation from its gradient on.
+    _, names = chain(6)
+    weights = {names[5]: 10 * B, names[0]: 2 * B}
+    tied = WeightSum(weight="table", parts=(names[5], names[0]),
+                     sparse=frozenset({names[0]}), bytes=10 * B)
+    held, _ = chain(6, reads="nothing", weight_grad_bytes=weights)
+    summed, _ = chain(6, reads="nothing", weight_grad_bytes=weights,
+                      weight_sums=dict.fromkeys(tied.parts, tied))
+    assert timeline.step_peaks(held) == (14 * B, 3 * B)
+    assert timeline.step_peaks(summed) == (24 * B, 14 * B)
+    assert timeline.predict(summed).peak_bytes == 14 * B  # less the 10 B returned
+    # Two gathers: their rows are concatenated, the sum beside its parts.
+    rows = dataclasses.replace(tied, sparse=frozenset(tied.parts))
+    weights = {names[5]: 2 * B, names[0]: 2 * B}
+    held, _ = chain(6, reads="nothing", weight_grad_bytes=weights)
+    summed, _ = chain(6, reads="nothing", weight_grad_bytes=weights,
+                      weight_sums=dict.fromkeys(rows.parts, rows))
+    assert timeline.step_peaks(held) == (6 * B, 3 * B)
+    assert timeline.step_peaks(summed) == (10 * B, 6 * B)
 
 
 def test_prediction_is_linear_in_model_size():

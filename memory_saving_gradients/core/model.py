@@ -114,6 +114,32 @@ class Loop:
 
 
 @dataclasses.dataclass(frozen=True)
+class WeightSum:
+    """The gradient of one weight (a variable, or an x) that several ops send
+    parts of: a table read by an embedding and by the output layer tied to
+    it, a block applied several times. tf.gradients adds the parts once the
+    last is made, with AddN over one of their buffers where any is dense,
+    each IndexedSlices made dense as soon as it exists; concatenated where
+    all are IndexedSlices.
+
+    Attributes:
+      weight: the weight's name (a variable's handle, or the x).
+      parts: the ops sending parts.
+      sparse: those of `parts` whose part is an IndexedSlices (a gather's rows).
+      bytes: the weight's bytes: of the sum, and of each sparse part made dense.
+    """
+    weight: str
+    parts: Tuple[str, ...]
+    sparse: frozenset
+    bytes: int
+
+    @property
+    def dense_sum(self) -> bool:
+        """Whether the parts are added dense (any of them is)."""
+        return len(self.sparse) < len(self.parts)
+
+
+@dataclasses.dataclass(frozen=True)
 class GraphModel:
     """The activations between xs and ys and how they depend on each other.
 
@@ -136,7 +162,9 @@ class GraphModel:
       workspace: op name -> bytes its gradient ops allocate besides their
         results while they run (scratch buffers, intermediate tensors).
       weight_grad_bytes: op name -> bytes of the gradients it sends to
-        weights (region tensors that are not activations).
+        weights (region tensors and xs that are not activations).
+      weight_sums: op name -> the `WeightSum` its weight gradient is a part
+        of, for weights several ops send gradients to.
       stock_workspace: op name -> `workspace` of stock tf.gradients where it
         differs from the rewrite's (ops the rewrite differentiates with a
         gradient of its own, such as 1x1 convolutions as matrix products).
@@ -232,6 +260,7 @@ class GraphModel:
     grad_reads: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     workspace: Mapping[str, int] = dataclasses.field(default_factory=dict)
     weight_grad_bytes: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    weight_sums: Mapping[str, WeightSum] = dataclasses.field(default_factory=dict)
     stock_workspace: Mapping[str, int] = dataclasses.field(default_factory=dict)
     loops: Mapping[str, Loop] = dataclasses.field(default_factory=dict)
     run_workspace: Mapping[str, int] = dataclasses.field(default_factory=dict)

@@ -123,6 +123,8 @@ def _describe(key: tuple, size: int) -> Buffer:
         return Buffer("recomputed", f"{key[2]} (level {key[1]})", size)
     if kind in ("grad", "sum"):
         return Buffer("gradient", f"of {key[-1]}", size)
+    if kind in ("weights", "dense"):
+        return Buffer("gradient", f"part of a weight's, from {key[1]}", size)
     if kind == "early":
         return Buffer("gradient", f"part of {key[1]}'s, made in the forward pass", size)
     loop = key[2] if kind in ("loop", "last chunk", "ahead") else key[-1]

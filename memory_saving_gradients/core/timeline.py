@@ -237,9 +237,10 @@ class ActivationTimeline:
         says what its buffer holds: ("fwd", tensor) a forward tensor still
         held, ("copy", level, tensor) a recomputed one, ("grad", op, tensor)
         and ("sum", tensor) gradients, ("early", op) gradient parts made in
-        the forward pass; loops' kept states have keys of their own
-        (`LoopEvents`). Loop scratch is what a loop's gradient reruns and
-        rewrites (`LoopEvents._loop_backward`)."""
+        the forward pass, ("weights", op) a part of a weight's gradient and
+        ("dense", op) a sparse part made dense (`_weight_gradient`); loops'
+        kept states have keys of their own (`LoopEvents`). Loop scratch is
+        what a loop's gradient reruns and rewrites (`LoopEvents._loop_backward`)."""
         replay = self._replay
         born, last_use = replay.born, replay.last_use
 
@@ -325,6 +326,7 @@ class _Replay(LoopEvents):
         self.pending = {}   # tensor name -> keys of gradient parts waiting for its op
         self.alias = {}     # buffer key -> the key whose buffer it shares
         self.weight_keys = set()  # buffer keys of the weight gradients
+        self.weight_parts = {}  # weight -> {op: key} of the parts of its gradient made
         self.forwards = []  # (step, key, candidate keys): `_take_forwarded_buffers`
         self.trailing_keys = frozenset()  # reads of a gradient part still running beside
         self.scratch_forwards = []  # (step, `transient` index, [(candidate key, bytes)])
@@ -520,13 +522,42 @@ class _Replay(LoopEvents):
                 self._weight_gradient(op)
 
     def _weight_gradient(self, op):
-        """Allocates `op`'s weight gradient, alive to the end: it is returned."""
-        key = ("weights", op)
+        """Allocates `op`'s weight gradient: alive to the end, as it is
+        returned, or a part of one (`GraphModel.weight_sums`), alive until
+        the last part is made and they are added up."""
         weights = self.model.weight_grad_bytes.get(op, 0)
-        if weights:
-            self._alloc(key, weights)
-            self.last_use[key] = _END
+        if not weights:
+            return
+        key = ("weights", op)
+        self._alloc(key, weights)
+        self.last_use[key] = _END
+        summed = self.model.weight_sums.get(op)
+        if summed is None:
             self.weight_keys.add(key)
+            return
+        if summed.dense_sum and op in summed.sparse:
+            self.last_use[key] = self.step  # the rows, read once: made dense
+            key = ("dense", op)
+            self._alloc(key, summed.bytes)
+            self.last_use[key] = _END
+        made = self.weight_parts.setdefault(summed.weight, {})
+        made[op] = key
+        if len(made) == len(summed.parts):
+            self._add_up(summed, list(made.values()))
+
+    def _add_up(self, summed, parts):
+        """Adds up the parts of a weight's gradient, made: AddN writes the sum
+        over the last part's buffer (measured: a tied table's gather's rows made
+        dense, the output layer's part freed); IndexedSlices are concatenated."""
+        if summed.dense_sum:
+            *parts, total = parts
+        else:
+            total = ("weights", summed.weight)
+            self._alloc(total, sum(self.born[key][1] for key in parts))
+            self.last_use[total] = _END
+        self.weight_keys.add(total)
+        for key in parts:
+            self.last_use[key] = self.step
 
     def _backward_parts(self, parts):
         """Stock backprop in the executor's order: (op, part) from `stock_order.parts`.
@@ -566,12 +597,8 @@ class _Replay(LoopEvents):
                             self._may_forward(key, row.stock_grad_forwards[t], held[op],
                                               _original)
                     pending.setdefault(t, []).append(key)
-            weights = model.weight_grad_bytes.get(op, 0)
-            if weights and part != stock_order.DATA:
-                key = ("weights", op)
-                self._alloc(key, weights)
-                self.last_use[key] = _END
-                self.weight_keys.add(key)
+            if part != stock_order.DATA:
+                self._weight_gradient(op)
 
     def _summed(self, outputs):
         """Output -> the key of its gradient, for the outputs of `outputs` that get

@@ -9,7 +9,7 @@ lie in the region, what each op's gradient reaches) stays here, in `Reading`.
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping, Optional, Sequence
+from typing import Mapping, NamedTuple, Optional, Sequence
 
 import networkx as nx
 import tensorflow as tf
@@ -20,6 +20,7 @@ from memory_saving_gradients.core import stock_order
 from memory_saving_gradients.core import timeline
 from memory_saving_gradients.core.model import Activation
 from memory_saving_gradients.core.model import GraphModel
+from memory_saving_gradients.core.model import WeightSum
 from memory_saving_gradients.tfgraph import broadcast_sinking
 from memory_saving_gradients.tfgraph import compat
 from memory_saving_gradients.tfgraph import gradient_order
@@ -43,6 +44,8 @@ _PASS_THROUGH_OP_TYPES = timeline.ALIASING_OP_TYPES | {
     "EnsureShape", "CheckNumerics", "CheckNumericsV2", "Switch", "RefSwitch", "Enter", "RefEnter"}
 # Gathers of rows: the gradient of the table (input 0) is an IndexedSlices.
 _ROW_GATHER_OP_TYPES = frozenset({"GatherV2", "Gather"})
+# Gathers from a variable's handle, the only ops with a gradient for it.
+_HANDLE_GATHER_OP_TYPES = frozenset({"ResourceGather", "ResourceGatherNd"})
 # Sources of the back edges of tf.compat.v1 while loops.
 _BACK_EDGE_OP_TYPES = frozenset({"NextIteration", "RefNextIteration"})
 
@@ -201,8 +204,10 @@ def build_model(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor],
     x_names = {x.name for x in xs}
     tensors, pinned, op_outputs, op_inputs, edges = {}, set(), {}, {}, []
     other_bytes, weights_first = 0, set()
+    weight_parts = {}  # weight -> [(op, `_WeightPart`)]
     region = frozenset(o.name for op in units for o in op.outputs)
-    regions = (region - activations, region | x_names, data)
+    differentiated = region | x_names
+    regions = (differentiated - activations, differentiated, data)
     # Asked once each: each ask reads the config (and the environment, the CPU affinity).
     folds = identity_folding.folds_to_identities(ys[0].graph)
     concurrent = workspace.several_inter_op_threads()
@@ -222,8 +227,10 @@ def build_model(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor],
         if activations.isdisjoint(outs):
             other_bytes += sum(op_kinds.tensor_bytes(o) for o in outs.values())
             continue
-        linear = _record_backprop(
+        linear, parts = _record_backprop(
             op, inputs[op], activations, regions, (folds, gated, concurrent), backprop)
+        for part in parts:
+            weight_parts.setdefault(part.weight, []).append((name, part))
         backprop["run_workspace"][name] = workspace.run_workspace_bytes(op)
         if (gated and backprop["weight_grad_bytes"][name] and op.inputs[0].name in activations
                 and gradient_order.weight_gradient_first(op)):
@@ -277,6 +284,7 @@ def build_model(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor],
             {n: t.bytes for n, t in tensors.items()}, ys_read),
         op_outputs=op_outputs, other_bytes=other_bytes, num_region_ops=len(ops),
         loops=loop_facts, weights_first=frozenset(weights_first),
+        weight_sums=_weight_sums(weight_parts),
         deferred_weight_gradient_types=_deferred_weight_gradient_types(units, concurrent),
         **backprop)
     return Reading(model=model, region=region, op_inputs=op_inputs, ops=tuple(ops), gated=gated)
@@ -419,18 +427,32 @@ def _made_outside(op, read, differentiated, data) -> dict:
     return made
 
 
+def _variable_copies(op, read) -> dict:
+    """Name -> bytes of the variables' values `op`'s gradient reads (names
+    `read`) that are copies: once a gather of its handle (`tf.nn.embedding_lookup`
+    of the variable) puts a variable in copy-on-read mode, TensorFlow copies it
+    on every dense read, and the copy lives until its last reader (measured:
+    a table gathered and read by a tied output layer, its 8 MiB copy held from
+    the step's start to that layer's gradient). Gathers in other graphs are
+    not seen."""
+    return {t.name: op_kinds.tensor_bytes(t) for t in op.inputs
+            if t.name in read and t.op.type == "ReadVariableOp"
+            and any(c.type in _HANDLE_GATHER_OP_TYPES for c in t.op.inputs[0].consumers())}
+
+
 def _record_backprop(op, op_inputs, activations, regions, settings, backprop):
     """What `op`'s gradient reads, allocates besides its results, sends to weights.
 
-    `regions`: (names of the region's tensors that are not activations, whose
-    gradients are weight gradients; names of the region's tensors and the xs,
+    `regions`: (names of the region's tensors and xs that are not activations,
+    whose gradients are weight gradients; names of the region's tensors and the xs,
     what backprop takes gradients of: other inputs' gradient branches are pruned;
     names of the graph's per-example tensors, `DataTensors`).
     `settings`: whether Grappler folds the graph's products by one into
     identities (`identity_folding.folds_to_identities`), `Reading.gated`, and
     whether the executor runs independent ops at once
     (`workspace.several_inter_op_threads`). Returns whether the gradient is
-    linear in the incoming gradients (`gradient_linearity`).
+    linear in the incoming gradients (`gradient_linearity`), and the
+    `_WeightPart`s it sends to weights.
     """
     weights, differentiated, data = regions
     folds, gated, concurrent = settings
@@ -458,7 +480,7 @@ def _record_backprop(op, op_inputs, activations, regions, settings, backprop):
             _record_scratch_taken_over(op, inputs_differentiated, activations, backprop)
         linear = reads.linear
     backprop["grad_reads"][name] = tuple(n for n in read if n in activations)
-    outside = _made_outside(op, read, differentiated, data)
+    outside = {**_made_outside(op, read, differentiated, data), **_variable_copies(op, read)}
     if outside:
         backprop["outside_reads"][name] = tuple(outside)
         backprop["outside_bytes"].update(outside)
@@ -493,25 +515,82 @@ def _record_backprop(op, op_inputs, activations, regions, settings, backprop):
     backprop["workspace"][name] = scratch + measured
     if stock != measured:
         backprop["stock_workspace"][name] = scratch + stock
-    backprop["weight_grad_bytes"][name] = sum(
-        _weight_gradient_bytes(op, t) for t in op_inputs
-        if t.name in weights and t.dtype.is_floating)
-    return linear
+    parts = [part for part in (_weight_part(op, t) for t in op_inputs if t.name in weights
+                               and (t.dtype.is_floating or t.dtype == tf.resource)) if part.bytes]
+    backprop["weight_grad_bytes"][name] = sum(part.bytes for part in parts)
+    return linear, parts
 
 
-def _weight_gradient_bytes(op, weight) -> int:
-    """Bytes of the gradient `op` sends on to the weight `weight` is read
-    from: for the table a gather reads whole rows of (a Keras `Embedding`'s
-    read variable), an IndexedSlices of those rows and their indices; else
-    the weight's size. Either in the dtype of the float the weight was cast
-    from (a mixed-precision layer reads its float32 variable as float16; the
-    gradient returned is float32)."""
-    item = _cast_source(weight).dtype.size
+class _WeightPart(NamedTuple):
+    """A gradient an op sends to a weight: the weight's name (a variable's
+    handle for its value read through casts and identities: where the reads'
+    parts are added up), the part's bytes, whether it is an IndexedSlices, and
+    the weight's bytes (of a dense gradient)."""
+    weight: str
+    bytes: int
+    sparse: bool
+    weight_bytes: int
+
+
+def _weight_part(op, weight) -> _WeightPart:
+    """The gradient `op` sends on to the weight `weight` is read from: for
+    the table a gather reads whole rows of (a Keras `Embedding`'s read
+    variable), an IndexedSlices of those rows and their indices; else the
+    weight's size. Either in the dtype of the float the weight was cast from
+    (a mixed-precision layer reads its float32 variable as float16; the
+    gradient returned is float32). A variable's handle (an x) has a gradient
+    only from the gathers that read it (`_handle_part`)."""
+    if weight.dtype == tf.resource:
+        return _handle_part(op, weight)
+    source = _cast_source(weight)
+    whole = op_kinds.tensor_elements(weight) * source.dtype.size
+    summed_at = source.op.inputs[0] if source.op.type == "ReadVariableOp" else weight
     if (op.type in _ROW_GATHER_OP_TYPES and op.inputs[0] is weight
             and _gathers_along_first_axis(op) and _read_as_it_is(weight)):
-        return (op_kinds.tensor_elements(op.outputs[0]) * item
+        rows = (op_kinds.tensor_elements(op.outputs[0]) * source.dtype.size
                 + op_kinds.tensor_bytes(op.inputs[1]))
-    return op_kinds.tensor_elements(weight) * item
+        return _WeightPart(summed_at.name, rows, True, whole)
+    return _WeightPart(summed_at.name, whole, False, whole)
+
+
+def _handle_part(op, handle) -> _WeightPart:
+    """The gradient `op` sends to the variable behind `handle`, read in
+    place (`tf.gather` or `tf.nn.embedding_lookup` of a variable, a tf_keras
+    Embedding): an IndexedSlices of the rows read and their indices for
+    ResourceGather, and for ResourceGatherNd with one index per row; else
+    the variable's size (ResourceGatherNd scatters its gradient dense). None
+    from other ops: TensorFlow registers gradients to a handle for these alone."""
+    spec = compat.resource_spec(handle)
+    if (op.type not in _HANDLE_GATHER_OP_TYPES or op.inputs[0] is not handle or spec is None
+            or not spec.dtype.is_floating):
+        return _WeightPart(handle.name, 0, False, 0)
+    whole = spec.shape.num_elements() * spec.dtype.size if spec.shape.is_fully_defined() else 0
+    indices = op.inputs[1]
+    if op.type == "ResourceGather" or (indices.shape.rank == 2 and indices.shape[-1] == 1):
+        rows = (op_kinds.tensor_elements(op.outputs[0]) * spec.dtype.size
+                + op_kinds.tensor_bytes(indices))
+        return _WeightPart(handle.name, rows, True, whole)
+    return _WeightPart(handle.name, whole, False, whole)
+
+
+def _weight_sums(parts_by_weight) -> dict:
+    """`GraphModel.weight_sums` from weight -> [(op, `_WeightPart`)]: the
+    weights sent several parts, each by an op sending no other (the model
+    holds an op's weight gradients as one buffer)."""
+    parts_per_op = {}
+    for parts in parts_by_weight.values():
+        for op, _ in parts:
+            parts_per_op[op] = parts_per_op.get(op, 0) + 1
+    sums = {}
+    for weight, parts in parts_by_weight.items():
+        ops = [op for op, _ in parts]
+        if len(ops) < 2 or any(parts_per_op[op] > 1 for op in ops):
+            continue
+        summed = WeightSum(weight=weight, parts=tuple(ops),
+                           sparse=frozenset(op for op, part in parts if part.sparse),
+                           bytes=parts[0][1].weight_bytes)
+        sums.update(dict.fromkeys(ops, summed))
+    return sums
 
 
 def _gathers_along_first_axis(op) -> bool:
