@@ -393,7 +393,7 @@ def _step_seconds(steps, inputs, labels):
 
 def loss_and_weights_bytes(plan):
     """Bytes of the weight gradients the step returns (what the model sends to weights)."""
-    return sum(plan.model.weight_grad_bytes.values())
+    return plan.model.returned_gradient_bytes()
 
 
 def run_job(model_name, methods, threads, timeout=900, jit=False, requested=False):

@@ -138,6 +138,7 @@ def test_a_weights_parts_are_held_until_added_up_and_only_the_sum_is_returned():
     assert timeline.step_peaks(held) == (14 * B, 3 * B)
     assert timeline.step_peaks(summed) == (24 * B, 14 * B)
     assert timeline.predict(summed).peak_bytes == 14 * B  # less the 10 B returned
+    assert (summed.returned_gradient_bytes(), held.returned_gradient_bytes()) == (10 * B, 12 * B)
     # Two gathers: their rows are concatenated, the sum beside its parts.
     rows = dataclasses.replace(tied, sparse=frozenset(tied.parts))
     weights = {names[5]: 2 * B, names[0]: 2 * B}
@@ -146,6 +147,7 @@ def test_a_weights_parts_are_held_until_added_up_and_only_the_sum_is_returned():
                       weight_sums=dict.fromkeys(rows.parts, rows))
     assert timeline.step_peaks(held) == (6 * B, 3 * B)
     assert timeline.step_peaks(summed) == (10 * B, 6 * B)
+    assert summed.returned_gradient_bytes() == 4 * B
 
 
 def test_prediction_is_linear_in_model_size():

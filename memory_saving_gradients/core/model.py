@@ -297,6 +297,17 @@ class GraphModel:
                    for n, a in self.tensors.items()}
         return dataclasses.replace(self, tensors=tensors)
 
+    def returned_gradient_bytes(self) -> int:
+        """Bytes of the weight gradients the step returns: each op's, but one
+        sum for each weight several ops send parts to (`weight_sums`)."""
+        sums = {summed.weight: summed for summed in self.weight_sums.values()}
+        alone = sum(size for op, size in self.weight_grad_bytes.items()
+                    if op not in self.weight_sums)
+        return alone + sum(
+            summed.bytes if summed.dense_sum
+            else sum(self.weight_grad_bytes[op] for op in summed.parts)
+            for summed in sums.values())
+
     def op_of(self, name: str) -> str:
         """The op producing activation `name`."""
         return self.tensors[name].op
