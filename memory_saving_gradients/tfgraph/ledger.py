@@ -62,7 +62,10 @@ def _running_sum(parts: list) -> tf.Tensor:
     That rewrite skips AddN of two inputs, so each addition is one: AddN's
     rules, as tf.gradients sums, for every dtype (variant TensorList parts
     included), never broadcasting (a part of shape [1, n] beside [batch, n],
-    from a wrong-shaped custom gradient, broadcast with tf.math.add).
+    from a wrong-shaped custom gradient, broadcast with tf.math.add). Grappler's
+    arithmetic optimizer may still fold a chain of them, each sum read by the next
+    alone, back into one AddN: it did for the parts of a weight's 8 reads
+    (docs/planner.md, session 78).
     """
     total = parts[0]
     for part in parts[1:]:
