@@ -148,6 +148,15 @@ def test_a_weights_parts_are_held_until_added_up_and_only_the_sum_is_returned():
     assert timeline.step_peaks(held) == (6 * B, 3 * B)
     assert timeline.step_peaks(summed) == (10 * B, 6 * B)
     assert summed.returned_gradient_bytes() == 4 * B
+    # Two dense parts: AddN writes the sum over the first made (measured), so
+    # the second, not returned, is an activation while it lives.
+    dense = dataclasses.replace(tied, sparse=frozenset())
+    weights = {names[5]: 10 * B, names[0]: 10 * B}
+    held, _ = chain(6, reads="nothing", weight_grad_bytes=weights)
+    summed, _ = chain(6, reads="nothing", weight_grad_bytes=weights,
+                      weight_sums=dict.fromkeys(dense.parts, dense))
+    assert timeline.step_peaks(held) == (22 * B, 3 * B)
+    assert timeline.step_peaks(summed) == (22 * B, 12 * B)
 
 
 def test_prediction_is_linear_in_model_size():

@@ -326,7 +326,7 @@ class _Replay(LoopEvents):
         self.pending = {}   # tensor name -> keys of gradient parts waiting for its op
         self.alias = {}     # buffer key -> the key whose buffer it shares
         self.weight_keys = set()  # buffer keys of the weight gradients
-        self.weight_parts = {}  # weight -> {op: key} of the parts of its gradient made
+        self.weight_parts = {}  # `WeightSum` -> (op, key, step) of its parts made
         self.forwards = []  # (step, key, candidate keys): `_take_forwarded_buffers`
         self.trailing_keys = frozenset()  # reads of a gradient part still running beside
         self.scratch_forwards = []  # (step, `transient` index, [(candidate key, bytes)])
@@ -351,6 +351,7 @@ class _Replay(LoopEvents):
             self._backward(tail, {})
         for number in reversed(range(len(levels))):
             self._level(number, levels[number], kept_roots)
+        self._add_up_weight_parts()
         self._take_forwarded_buffers()
         return self._peak() - self._weight_grad_bytes()
 
@@ -522,9 +523,9 @@ class _Replay(LoopEvents):
                 self._weight_gradient(op)
 
     def _weight_gradient(self, op):
-        """Allocates `op`'s weight gradient: alive to the end, as it is
-        returned, or a part of one (`GraphModel.weight_sums`), alive until
-        the last part is made and they are added up."""
+        """Allocates `op`'s weight gradient, alive to the end: it is returned,
+        unless it is a part of a weight's (`GraphModel.weight_sums`), added up
+        with the others made once the backward pass is replayed (`_add_up_weight_parts`)."""
         weights = self.model.weight_grad_bytes.get(op, 0)
         if not weights:
             return
@@ -534,30 +535,40 @@ class _Replay(LoopEvents):
         summed = self.model.weight_sums.get(op)
         if summed is None:
             self.weight_keys.add(key)
-            return
-        if summed.dense_sum and op in summed.sparse:
-            self.last_use[key] = self.step  # the rows, read once: made dense
-            key = ("dense", op)
-            self._alloc(key, summed.bytes)
-            self.last_use[key] = _END
-        made = self.weight_parts.setdefault(summed.weight, {})
-        made[op] = key
-        if len(made) == len(summed.parts):
-            self._add_up(summed, list(made.values()))
-
-    def _add_up(self, summed, parts):
-        """Adds up the parts of a weight's gradient, made: AddN writes the sum
-        over the last part's buffer (measured: a tied table's gather's rows made
-        dense, the output layer's part freed); IndexedSlices are concatenated."""
-        if summed.dense_sum:
-            *parts, total = parts
         else:
-            total = ("weights", summed.weight)
-            self._alloc(total, sum(self.born[key][1] for key in parts))
-            self.last_use[total] = _END
-        self.weight_keys.add(total)
-        for key in parts:
-            self.last_use[key] = self.step
+            self.weight_parts.setdefault(summed, []).append((op, key, self.step))
+
+    def _add_up_weight_parts(self):
+        """Each weight's parts, as TensorFlow adds them: all held until the last
+        made (a part whose op gets no gradient is never made), IndexedSlices
+        beside a dense part made dense as they come, then AddN over one of them
+        (measured: the rows made dense where there are any, else the first part
+        made), the others freed; parts all sparse are concatenated into a new buffer."""
+        for summed, made in self.weight_parts.items():
+            if len(made) == 1:
+                self.weight_keys.add(made[0][1])
+                continue
+            end = max(step for _, _, step in made)
+            parts = [key for _, key, _ in made]
+            if all(op in summed.sparse for op, _, _ in made):
+                total = ("weights", summed.weight)
+                self.born[total] = (end, sum(self.born[key][1] for key in parts))
+                self.last_use[total] = _END
+            else:
+                densified = []
+                for op, key, step in made:
+                    if op in summed.sparse:
+                        self.last_use[key] = step  # the rows, read once
+                        densified.append(("dense", op))
+                        self.born[densified[-1]] = (step, summed.bytes)
+                        self.last_use[densified[-1]] = _END
+                parts += densified
+                total = densified[0] if densified else parts[0]
+                parts.remove(total)
+            self.weight_keys.add(total)
+            for key in parts:
+                if self.last_use[key] == _END:
+                    self.last_use[key] = end
 
     def _backward_parts(self, parts):
         """Stock backprop in the executor's order: (op, part) from `stock_order.parts`.

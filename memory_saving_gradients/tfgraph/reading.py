@@ -207,7 +207,7 @@ def build_model(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor],
     weight_parts = {}  # weight -> [(op, `_WeightPart`)]
     region = frozenset(o.name for op in units for o in op.outputs)
     differentiated = region | x_names
-    regions = (differentiated - activations, differentiated, data)
+    regions = (differentiated - activations, differentiated, data, x_names)
     # Asked once each: each ask reads the config (and the environment, the CPU affinity).
     folds = identity_folding.folds_to_identities(ys[0].graph)
     concurrent = workspace.several_inter_op_threads()
@@ -446,7 +446,7 @@ def _record_backprop(op, op_inputs, activations, regions, settings, backprop):
     `regions`: (names of the region's tensors and xs that are not activations,
     whose gradients are weight gradients; names of the region's tensors and the xs,
     what backprop takes gradients of: other inputs' gradient branches are pruned;
-    names of the graph's per-example tensors, `DataTensors`).
+    names of the graph's per-example tensors, `DataTensors`; names of the xs).
     `settings`: whether Grappler folds the graph's products by one into
     identities (`identity_folding.folds_to_identities`), `Reading.gated`, and
     whether the executor runs independent ops at once
@@ -454,7 +454,7 @@ def _record_backprop(op, op_inputs, activations, regions, settings, backprop):
     linear in the incoming gradients (`gradient_linearity`), and the
     `_WeightPart`s it sends to weights.
     """
-    weights, differentiated, data = regions
+    weights, differentiated, data, x_names = regions
     folds, gated, concurrent = settings
     name = op.name
     inputs_differentiated = [t.name in differentiated for t in op.inputs]
@@ -515,7 +515,7 @@ def _record_backprop(op, op_inputs, activations, regions, settings, backprop):
     backprop["workspace"][name] = scratch + measured
     if stock != measured:
         backprop["stock_workspace"][name] = scratch + stock
-    parts = [part for part in (_weight_part(op, t) for t in op_inputs if t.name in weights
+    parts = [part for part in (_weight_part(op, t, x_names) for t in op_inputs if t.name in weights
                                and (t.dtype.is_floating or t.dtype == tf.resource)) if part.bytes]
     backprop["weight_grad_bytes"][name] = sum(part.bytes for part in parts)
     return linear, parts
@@ -523,8 +523,8 @@ def _record_backprop(op, op_inputs, activations, regions, settings, backprop):
 
 class _WeightPart(NamedTuple):
     """A gradient an op sends to a weight: the weight's name (a variable's
-    handle for its value read through casts and identities: where the reads'
-    parts are added up), the part's bytes, whether it is an IndexedSlices, and
+    handle for its value read through casts and identities, up to an x: where
+    the parts are added up), the part's bytes, whether it is an IndexedSlices, and
     the weight's bytes (of a dense gradient)."""
     weight: str
     bytes: int
@@ -532,7 +532,7 @@ class _WeightPart(NamedTuple):
     weight_bytes: int
 
 
-def _weight_part(op, weight) -> _WeightPart:
+def _weight_part(op, weight, x_names) -> _WeightPart:
     """The gradient `op` sends on to the weight `weight` is read from: for
     the table a gather reads whole rows of (a Keras `Embedding`'s read
     variable), an IndexedSlices of those rows and their indices; else the
@@ -544,13 +544,29 @@ def _weight_part(op, weight) -> _WeightPart:
         return _handle_part(op, weight)
     source = _cast_source(weight)
     whole = op_kinds.tensor_elements(weight) * source.dtype.size
-    summed_at = source.op.inputs[0] if source.op.type == "ReadVariableOp" else weight
+    summed_at = _summed_at(weight, x_names)
     if (op.type in _ROW_GATHER_OP_TYPES and op.inputs[0] is weight
             and _gathers_along_first_axis(op) and _read_as_it_is(weight)):
         rows = (op_kinds.tensor_elements(op.outputs[0]) * source.dtype.size
                 + op_kinds.tensor_bytes(op.inputs[1]))
         return _WeightPart(summed_at.name, rows, True, whole)
     return _WeightPart(summed_at.name, whole, False, whole)
+
+
+def _summed_at(weight, x_names) -> tf.Tensor:
+    """Where the gradients sent to `weight` meet the others of its variable: the
+    variable's handle, through the casts, identities and read from it, or the
+    first x on the way (tf.gradients stops there: two reads asked for apart
+    get two gradients)."""
+    tensor = weight
+    while tensor.name not in x_names:
+        if tensor.op.type == "ReadVariableOp":
+            return tensor.op.inputs[0]
+        if not (tensor.op.type in ("Cast", "Identity") and tensor.op.inputs
+                and tensor.op.inputs[0].dtype.is_floating):
+            return weight
+        tensor = tensor.op.inputs[0]
+    return tensor
 
 
 def _handle_part(op, handle) -> _WeightPart:
@@ -575,8 +591,8 @@ def _handle_part(op, handle) -> _WeightPart:
 
 def _weight_sums(parts_by_weight) -> dict:
     """`GraphModel.weight_sums` from weight -> [(op, `_WeightPart`)]: the
-    weights sent several parts, each by an op sending no other (the model
-    holds an op's weight gradients as one buffer)."""
+    weights of known size sent several parts, each by an op sending no other
+    (the model holds an op's weight gradients as one buffer)."""
     parts_per_op = {}
     for parts in parts_by_weight.values():
         for op, _ in parts:
@@ -584,11 +600,12 @@ def _weight_sums(parts_by_weight) -> dict:
     sums = {}
     for weight, parts in parts_by_weight.items():
         ops = [op for op, _ in parts]
-        if len(ops) < 2 or any(parts_per_op[op] > 1 for op in ops):
+        size = max(part.weight_bytes for _, part in parts)
+        if len(ops) < 2 or not size or any(parts_per_op[op] > 1 for op in ops):
             continue
         summed = WeightSum(weight=weight, parts=tuple(ops),
                            sparse=frozenset(op for op, part in parts if part.sparse),
-                           bytes=parts[0][1].weight_bytes)
+                           bytes=size)
         sums.update(dict.fromkeys(ops, summed))
     return sums
 
