@@ -122,39 +122,40 @@ def test_activation_peak_leaves_weight_gradients_out_while_they_live():
     assert timeline.predict(late).peak_bytes < activations
 
 
+def _held_and_summed(top, bottom, sparse):
+    """Chains of 6 whose top and bottom ops send `top` and `bottom` bytes to one
+    weight of 10 B, the ops of `sparse` as rows: (each part returned as it
+    is, the parts added up as a `WeightSum`)."""
+    _, names = chain(6)
+    parts = (names[5], names[0])
+    weights = dict(zip(parts, (top, bottom)))
+    summed = WeightSum(weight="table", parts=parts, bytes=10 * B,
+                       sparse=frozenset(parts[i] for i in sparse))
+    held, _ = chain(6, reads="nothing", weight_grad_bytes=weights)
+    added, _ = chain(6, reads="nothing", weight_grad_bytes=weights,
+                     weight_sums=dict.fromkeys(parts, summed))
+    return held, added
+
+
 def test_a_weights_parts_are_held_until_added_up_and_only_the_sum_is_returned():
     # A table read at the top (a tied output layer: 10 B, dense) and by a
     # gather at the bottom (2 B of rows). The rows are made dense beside the
     # first part, and AddN writes the sum over them: the whole step peaks at
     # the last gradient one table higher (2 B of gradients in flight), and the
     # output layer's part, not returned, is an activation from its gradient on.
-    _, names = chain(6)
-    weights = {names[5]: 10 * B, names[0]: 2 * B}
-    tied = WeightSum(weight="table", parts=(names[5], names[0]),
-                     sparse=frozenset({names[0]}), bytes=10 * B)
-    held, _ = chain(6, reads="nothing", weight_grad_bytes=weights)
-    summed, _ = chain(6, reads="nothing", weight_grad_bytes=weights,
-                      weight_sums=dict.fromkeys(tied.parts, tied))
+    held, summed = _held_and_summed(10 * B, 2 * B, sparse=[1])
     assert timeline.step_peaks(held) == (14 * B, 3 * B)
     assert timeline.step_peaks(summed) == (24 * B, 14 * B)
     assert timeline.predict(summed).peak_bytes == 14 * B  # less the 10 B returned
     assert (summed.returned_gradient_bytes(), held.returned_gradient_bytes()) == (10 * B, 12 * B)
     # Two gathers: their rows are concatenated, the sum beside its parts.
-    rows = dataclasses.replace(tied, sparse=frozenset(tied.parts))
-    weights = {names[5]: 2 * B, names[0]: 2 * B}
-    held, _ = chain(6, reads="nothing", weight_grad_bytes=weights)
-    summed, _ = chain(6, reads="nothing", weight_grad_bytes=weights,
-                      weight_sums=dict.fromkeys(rows.parts, rows))
+    held, summed = _held_and_summed(2 * B, 2 * B, sparse=[0, 1])
     assert timeline.step_peaks(held) == (6 * B, 3 * B)
     assert timeline.step_peaks(summed) == (10 * B, 6 * B)
     assert summed.returned_gradient_bytes() == 4 * B
     # Two dense parts: AddN writes the sum over the first made (measured), so
     # the second, not returned, is an activation while it lives.
-    dense = dataclasses.replace(tied, sparse=frozenset())
-    weights = {names[5]: 10 * B, names[0]: 10 * B}
-    held, _ = chain(6, reads="nothing", weight_grad_bytes=weights)
-    summed, _ = chain(6, reads="nothing", weight_grad_bytes=weights,
-                      weight_sums=dict.fromkeys(dense.parts, dense))
+    held, summed = _held_and_summed(10 * B, 10 * B, sparse=[])
     assert timeline.step_peaks(held) == (22 * B, 3 * B)
     assert timeline.step_peaks(summed) == (22 * B, 12 * B)
 
