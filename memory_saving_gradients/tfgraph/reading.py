@@ -8,6 +8,7 @@ lie in the region, what each op's gradient reaches) stays here, in `Reading`.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Mapping, NamedTuple, Optional, Sequence
 
@@ -558,15 +559,10 @@ def _summed_at(weight, x_names) -> tf.Tensor:
     variable's handle, through the casts, identities and read from it, or the
     first x on the way (tf.gradients stops there: two reads asked for apart
     get two gradients)."""
-    tensor = weight
-    while tensor.name not in x_names:
-        if tensor.op.type == "ReadVariableOp":
-            return tensor.op.inputs[0]
-        if not (tensor.op.type in ("Cast", "Identity") and tensor.op.inputs
-                and tensor.op.inputs[0].dtype.is_floating):
-            return weight
-        tensor = tensor.op.inputs[0]
-    return tensor
+    source = _cast_source(weight, x_names)
+    if source.name in x_names:
+        return source
+    return source.op.inputs[0] if source.op.type == "ReadVariableOp" else weight
 
 
 def _handle_part(op, handle) -> _WeightPart:
@@ -593,10 +589,8 @@ def _weight_sums(parts_by_weight) -> dict:
     """`GraphModel.weight_sums` from weight -> [(op, `_WeightPart`)]: the
     weights of known size sent several parts, each by an op sending no other
     (the model holds an op's weight gradients as one buffer)."""
-    parts_per_op = {}
-    for parts in parts_by_weight.values():
-        for op, _ in parts:
-            parts_per_op[op] = parts_per_op.get(op, 0) + 1
+    parts_per_op = collections.Counter(
+        op for parts in parts_by_weight.values() for op, _ in parts)
     sums = {}
     for weight, parts in parts_by_weight.items():
         ops = [op for op, _ in parts]
@@ -627,9 +621,10 @@ def _read_as_it_is(table) -> bool:
     return _cast_source(table).op.type in ("ReadVariableOp", "Placeholder")
 
 
-def _cast_source(tensor):
-    """`tensor` before the float casts and identities it went through."""
-    while (tensor.op.type in ("Cast", "Identity") and tensor.op.inputs
-           and tensor.op.inputs[0].dtype.is_floating):
+def _cast_source(tensor, stops=frozenset()):
+    """`tensor` before the float casts and identities it went through, back to
+    the first of the names `stops` on the way."""
+    while (tensor.name not in stops and tensor.op.type in ("Cast", "Identity")
+           and tensor.op.inputs and tensor.op.inputs[0].dtype.is_floating):
         tensor = tensor.op.inputs[0]
     return tensor
