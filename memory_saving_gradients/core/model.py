@@ -122,16 +122,26 @@ class WeightSum:
     each IndexedSlices made dense as soon as it exists; concatenated where
     all are IndexedSlices.
 
+    Our rewrite adds a variable's reads' parts as they are made where each
+    part comes through a plain read of the variable (`as_made`): the parts
+    one `tf.gradients` call makes to one read (or, in the call from the ys, to
+    the handle) are added when that call's last is made, and those sums in turn.
+
     Attributes:
       weight: the weight's name (a variable's handle, or the x).
       parts: the ops sending parts.
       sparse: those of `parts` whose part is an IndexedSlices (a gather's rows).
       bytes: the weight's bytes: of the sum, and of each sparse part made dense.
+      reads: the tensor each of `parts` reads the weight as (a read of the
+        variable, the handle, the x), in the same order.
+      as_made: whether our rewrite adds the parts as they are made.
     """
     weight: str
     parts: Tuple[str, ...]
     sparse: frozenset
     bytes: int
+    reads: Tuple[str, ...] = ()
+    as_made: bool = False
 
     @property
     def dense_sum(self) -> bool:

@@ -326,7 +326,7 @@ class _Replay(LoopEvents):
         self.pending = {}   # tensor name -> keys of gradient parts waiting for its op
         self.alias = {}     # buffer key -> the key whose buffer it shares
         self.weight_keys = set()  # buffer keys of the weight gradients
-        self.weight_parts = {}  # `WeightSum` -> (op, key, step) of its parts made
+        self.weight_parts = {}  # `WeightSum` -> (op, key, step, phase) of its parts made
         self.forwards = []  # (step, key, candidate keys): `_take_forwarded_buffers`
         self.trailing_keys = frozenset()  # reads of a gradient part still running beside
         self.scratch_forwards = []  # (step, `transient` index, [(candidate key, bytes)])
@@ -536,39 +536,59 @@ class _Replay(LoopEvents):
         if summed is None:
             self.weight_keys.add(key)
         else:
-            self.weight_parts.setdefault(summed, []).append((op, key, self.step))
+            self.weight_parts.setdefault(summed, []).append((op, key, self.step, self.phase))
 
     def _add_up_weight_parts(self):
-        """Each weight's parts, as TensorFlow adds them: all held until the last
-        made (a part whose op gets no gradient is never made), IndexedSlices
-        beside a dense part made dense as they come, then AddN over one of them
-        (measured: the rows made dense where there are any, else the first part
-        made), the others freed; parts all sparse are concatenated into a new buffer."""
+        """Each weight's parts, as TensorFlow adds them (`_add_up`); in our
+        rewrite, where it adds them as they are made (`WeightSum.as_made`, dense
+        parts), those of each tf.gradients call to each read first, then
+        those sums in turn into the first one's buffer (AddN writes over its
+        first input), each other freed once added."""
         for summed, made in self.weight_parts.items():
-            if len(made) == 1:
-                self.weight_keys.add(made[0][1])
+            if not (self.planned and summed.as_made and not summed.sparse):
+                self.weight_keys.add(self._add_up(summed, made))
                 continue
-            end = max(step for _, _, step in made)
-            parts = [key for _, key, _ in made]
-            if all(op in summed.sparse for op, _, _ in made):
-                total = ("weights", summed.weight)
-                self.born[total] = (end, sum(self.born[key][1] for key in parts))
-                self.last_use[total] = _END
-            else:
-                densified = []
-                for op, key, step in made:
-                    if op in summed.sparse:
-                        self.last_use[key] = step  # the rows, read once
-                        densified.append(("dense", op))
-                        self.born[densified[-1]] = (step, summed.bytes)
-                        self.last_use[densified[-1]] = _END
-                parts += densified
-                total = densified[0] if densified else parts[0]
-                parts.remove(total)
-            self.weight_keys.add(total)
-            for key in parts:
-                if self.last_use[key] == _END:
-                    self.last_use[key] = end
+            reads = dict(zip(summed.parts, summed.reads))
+            calls = {}  # (phase, read) -> parts: the call from the ys sums at the weight
+            for part in made:
+                op, _, _, phase = part
+                calls.setdefault((phase, None if phase == "tail" else reads[op]), []).append(part)
+            sums = sorted(((max(step for *_, step, _ in parts), self._add_up(summed, parts))
+                           for parts in calls.values()), key=lambda pair: pair[0])
+            for end, added in sums[1:]:
+                self.last_use[added] = end
+            self.weight_keys.add(sums[0][1])
+
+    def _add_up(self, summed, made):
+        """The key of the sum of `made` (parts of `summed`), as tf.gradients adds
+        them: all held until the last made (a part whose op gets no gradient is
+        never made), IndexedSlices beside a dense part made dense as they come,
+        then AddN over one of them (measured: the rows made dense where there
+        are any, else the first part made), the others freed; parts all sparse
+        are concatenated into a new buffer."""
+        if len(made) == 1:
+            return made[0][1]
+        end = max(step for *_, step, _ in made)
+        parts = [key for _, key, *_ in made]
+        if all(op in summed.sparse for op, *_ in made):
+            total = ("weights", summed.weight)
+            self.born[total] = (end, sum(self.born[key][1] for key in parts))
+            self.last_use[total] = _END
+        else:
+            densified = []
+            for op, key, step, _ in made:
+                if op in summed.sparse:
+                    self.last_use[key] = step  # the rows, read once
+                    densified.append(("dense", op))
+                    self.born[densified[-1]] = (step, summed.bytes)
+                    self.last_use[densified[-1]] = _END
+            parts += densified
+            total = densified[0] if densified else parts[0]
+            parts.remove(total)
+        for key in parts:
+            if self.last_use[key] == _END:
+                self.last_use[key] = end
+        return total
 
     def _backward_parts(self, parts):
         """Stock backprop in the executor's order: (op, part) from `stock_order.parts`.

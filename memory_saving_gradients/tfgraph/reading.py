@@ -285,7 +285,7 @@ def build_model(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor],
             {n: t.bytes for n, t in tensors.items()}, ys_read),
         op_outputs=op_outputs, other_bytes=other_bytes, num_region_ops=len(ops),
         loops=loop_facts, weights_first=frozenset(weights_first),
-        weight_sums=_weight_sums(weight_parts),
+        weight_sums=_weight_sums(weight_parts, gated),
         deferred_weight_gradient_types=_deferred_weight_gradient_types(units, concurrent),
         **backprop)
     return Reading(model=model, region=region, op_inputs=op_inputs, ops=tuple(ops), gated=gated)
@@ -525,12 +525,16 @@ def _record_backprop(op, op_inputs, activations, regions, settings, backprop):
 class _WeightPart(NamedTuple):
     """A gradient an op sends to a weight: the weight's name (a variable's
     handle for its value read through casts and identities, up to an x: where
-    the parts are added up), the part's bytes, whether it is an IndexedSlices, and
-    the weight's bytes (of a dense gradient)."""
+    the parts are added up), the part's bytes, whether it is an IndexedSlices,
+    the weight's bytes (of a dense gradient), the tensor the op reads, and
+    whether that is the handle or a plain read of it (our rewrite adds such
+    parts as they are made: rewrite.py, `to_xs`)."""
     weight: str
     bytes: int
     sparse: bool
     weight_bytes: int
+    read: str
+    plain: bool
 
 
 def _weight_part(op, weight, x_names) -> _WeightPart:
@@ -546,12 +550,14 @@ def _weight_part(op, weight, x_names) -> _WeightPart:
     source = _cast_source(weight)
     whole = op_kinds.tensor_elements(weight) * source.dtype.size
     summed_at = _summed_at(weight, x_names)
+    plain = (weight.op.type == "ReadVariableOp" and weight.name not in x_names
+             and weight.op.inputs[0].name in x_names)
     if (op.type in _ROW_GATHER_OP_TYPES and op.inputs[0] is weight
             and _gathers_along_first_axis(op) and _read_as_it_is(weight)):
         rows = (op_kinds.tensor_elements(op.outputs[0]) * source.dtype.size
                 + op_kinds.tensor_bytes(op.inputs[1]))
-        return _WeightPart(summed_at.name, rows, True, whole)
-    return _WeightPart(summed_at.name, whole, False, whole)
+        return _WeightPart(summed_at.name, rows, True, whole, weight.name, plain)
+    return _WeightPart(summed_at.name, whole, False, whole, weight.name, plain)
 
 
 def _summed_at(weight, x_names) -> tf.Tensor:
@@ -575,20 +581,21 @@ def _handle_part(op, handle) -> _WeightPart:
     spec = compat.resource_spec(handle)
     if (op.type not in _HANDLE_GATHER_OP_TYPES or op.inputs[0] is not handle or spec is None
             or not spec.dtype.is_floating):
-        return _WeightPart(handle.name, 0, False, 0)
+        return _WeightPart(handle.name, 0, False, 0, handle.name, True)
     whole = spec.shape.num_elements() * spec.dtype.size if spec.shape.is_fully_defined() else 0
     indices = op.inputs[1]
     if op.type == "ResourceGather" or (indices.shape.rank == 2 and indices.shape[-1] == 1):
         rows = (op_kinds.tensor_elements(op.outputs[0]) * spec.dtype.size
                 + op_kinds.tensor_bytes(indices))
-        return _WeightPart(handle.name, rows, True, whole)
-    return _WeightPart(handle.name, whole, False, whole)
+        return _WeightPart(handle.name, rows, True, whole, handle.name, True)
+    return _WeightPart(handle.name, whole, False, whole, handle.name, True)
 
 
-def _weight_sums(parts_by_weight) -> dict:
+def _weight_sums(parts_by_weight, gated: bool) -> dict:
     """`GraphModel.weight_sums` from weight -> [(op, `_WeightPart`)]: the
     weights of known size sent several parts, each by an op sending no other
-    (the model holds an op's weight gradients as one buffer)."""
+    (the model holds an op's weight gradients as one buffer). `gated`: the
+    rewrite orders the gradient ops (adds parts as they are made)."""
     parts_per_op = collections.Counter(
         op for parts in parts_by_weight.values() for op, _ in parts)
     sums = {}
@@ -599,7 +606,8 @@ def _weight_sums(parts_by_weight) -> dict:
             continue
         summed = WeightSum(weight=weight, parts=tuple(ops),
                            sparse=frozenset(op for op, part in parts if part.sparse),
-                           bytes=size)
+                           bytes=size, reads=tuple(part.read for _, part in parts),
+                           as_made=gated and all(part.plain for _, part in parts))
         sums.update(dict.fromkeys(ops, summed))
     return sums
 

@@ -281,19 +281,44 @@ class _Backprop:
         return copies, gradients
 
     def to_xs(self) -> None:
-        """Phase 3: the weights' partial gradients to the xs, in one pass."""
+        """Phase 3: the weights' partial gradients to the xs, in one pass.
+
+        A variable's reads pass their gradients to its handle unchanged: their
+        parts go to the handle's own, added up as they are made (stock adds
+        them at the handle once the last is made: a block applied 8 times
+        held 8 gradients of its weights)."""
         weights = [n for n in self._ledger.unsent_names() if self._reading.is_weight(n)]
+        if self._reading.gated:  # control edges: not across tf.compat.v1 control flow contexts
+            handles = {n: self._handle_read(n) for n in weights}
+            for name, handle in handles.items():
+                if handle is not None:
+                    self._ledger.move(name, handle)
+            weights = [n for n in weights if handles[n] is None]
         if weights:
             xs = list({x.name: x for x in self._xs}.values())
             self._differentiate(xs, [self._graph.get_tensor_by_name(n) for n in weights],
                                 [self._ledger.take_unsent(n) for n in weights], [])
 
+    def _handle_read(self, name: str):
+        """The name of the x whose variable `name` reads, if `name` is a plain
+        read of it (its gradient passes to the handle unchanged) that is
+        neither an x nor a stop itself; else None."""
+        op = self._graph.get_tensor_by_name(name).op
+        outside = {t.name for t in self._xs + self._stops}
+        if (op.type != "ReadVariableOp" or name in outside
+                or op.inputs[0].name not in {x.name for x in self._xs}):
+            return None
+        return op.inputs[0].name
+
     def results(self, unconnected) -> list:
-        results = []
+        results, totals = [], {}
         kept = set(self._plan.kept)
         for x in self._xs:
             # An x inside the region is a checkpoint; its seed is its full gradient.
-            grad = self._seeds.get(x.name) if x.name in kept else self._ledger.total(x.name)
+            # An x given twice is added up once.
+            if x.name not in kept and x.name not in totals:
+                totals[x.name] = self._ledger.total(x.name)
+            grad = self._seeds.get(x.name) if x.name in kept else totals[x.name]
             if grad is None and unconnected == tf.UnconnectedGradients.ZERO:
                 grad = compat.zeros_like_gradient(x)
             results.append(grad)
