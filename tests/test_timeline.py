@@ -160,6 +160,36 @@ def test_a_weights_parts_are_held_until_added_up_and_only_the_sum_is_returned():
     assert timeline.step_peaks(summed) == (22 * B, 12 * B)
 
 
+def _read_thrice(bottom, reads, as_made=True):
+    """A chain of 9 whose ops t08, t04 and `bottom` send 10 B parts to one
+    weight through `reads` (the tensors they read it as), and its plan of
+    three levels keeping t02 and t05: (model, plan)."""
+    _, names = chain(9)
+    parts = (names[8], names[4], names[bottom])
+    summed = WeightSum(weight="w", parts=parts, bytes=10 * B, sparse=frozenset(),
+                       reads=reads, as_made=as_made)
+    model, _ = chain(9, reads="nothing", weight_grad_bytes=dict.fromkeys(parts, 10 * B),
+                     weight_sums=dict.fromkeys(parts, summed))
+    return model, planning.make_plan(model, {names[2], names[5]}, "list")
+
+
+def test_our_rewrite_adds_a_variables_reads_parts_as_they_are_made():
+    # tf.gradients holds the three parts until the last (30 B, plus two
+    # gradients in flight); our rewrite adds each to the first as it comes:
+    # two parts at most (20 B, plus the level's gradients).
+    model, plan = _read_thrice(0, ("a", "b", "c"))
+    assert timeline.step_peaks(model) == (32 * B, 22 * B)
+    assert timeline.step_peaks(model, plan) == (23 * B, 13 * B)
+    held, plan = _read_thrice(0, ("a", "b", "c"), as_made=False)  # a cast read, say
+    assert timeline.step_peaks(held, plan) == (32 * B, 22 * B)
+    # One read sent two parts in one level (t04 and t03): tf.gradients adds
+    # those two in that call, once both are made.
+    model, plan = _read_thrice(3, ("a", "b", "c"))
+    assert timeline.step_peaks(model, plan) == (23 * B, 13 * B)
+    model, plan = _read_thrice(3, ("a", "b", "b"))
+    assert timeline.step_peaks(model, plan) == (33 * B, 23 * B)
+
+
 def test_prediction_is_linear_in_model_size():
     # 20,000 ops in well under the time a quadratic pass would take.
     model, names = chain(20_000, reads="output")
