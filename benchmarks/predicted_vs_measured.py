@@ -206,6 +206,29 @@ def shared_block_stack(repeats=8, pixels=32, channels=32, batch=16):
     return build, lambda: image_data(batch, pixels)
 
 
+def shared_dense_stack(repeats=8, width=1024, batch=256):
+    """One Dense layer (4 MiB of kernel at width 1024) applied `repeats` times with
+    a residual around each (ALBERT-style sharing, as a Keras layer called again
+    reads its kernel again): stock holds one kernel-sized gradient per call until
+    the last is made; our rewrite adds them as they come (session 79)."""
+    def build():
+        import keras
+        keras.utils.set_random_seed(0)
+        shared = keras.layers.Dense(width, activation="tanh")
+        inputs = keras.Input((width,))
+        h = inputs
+        for _ in range(repeats):
+            h = keras.layers.Add()([h, shared(h)])
+        return keras.Model(inputs, keras.layers.Dense(10)(h))
+
+    def data():
+        import numpy as np
+        rng = np.random.default_rng(0)
+        return (rng.normal(size=(batch, width)).astype(np.float32),
+                rng.integers(0, 10, size=batch).astype(np.int32))
+    return build, data
+
+
 def _sequence_data(batch, steps, features):
     def data():
         import numpy as np
@@ -228,6 +251,7 @@ MODELS = {**SMALL_MODELS,
     "mlp256": family_model("mlp", 256),  # issue 15's time target (docs/planner.md)
     "text_bigru": text_classifier(), "vit": vision_transformer(),
     "wavenet": wavenet(), "shared_blocks": shared_block_stack(),
+    "shared_dense": shared_dense_stack(),
     **{name: family_model(name, 64) for name in APPLICATIONS + ("unet", "unet_keras_io")},
     **{name: family_model(name, pixels) for name, pixels in HELD_OUT.items()},
 }

@@ -93,7 +93,7 @@ def _running_sum(parts: list) -> tf.Tensor:
     from a wrong-shaped custom gradient, broadcast with tf.math.add). Grappler's
     arithmetic optimizer may still fold a chain of them, each sum read by the next
     alone, back into one AddN: it did for the parts of a weight's 8 reads
-    (docs/planner.md, session 78).
+    (docs/planner.md, session 78), which `_sum_as_made` now adds.
     """
     total = parts[0]
     for part in parts[1:]:
