@@ -33,13 +33,13 @@ class Settled:
     unsent: Optional[Gradient]
 
 
-def add_up(parts: list, as_made: bool = False) -> Optional[Gradient]:
+def add_up(parts: list, made_after: Optional[int] = None) -> Optional[Gradient]:
     """Sums partial gradients; IndexedSlices stay sparse when all parts are.
 
     tf.gradients takes IndexedSlices as grad_ys, so sparse gradients (from
     gathers, embeddings) reach the xs sparse, as with tf.gradients.
-    `as_made`: dense parts are added in the order their ops were made, each
-    addition before the next part's op runs (`_sum_as_made`).
+    `made_after` (a graph version): dense parts are added as they are made,
+    ordering the ops made after it (`_sum_as_made`).
     """
     if not parts:
         return None
@@ -51,29 +51,44 @@ def add_up(parts: list, as_made: bool = False) -> Optional[Gradient]:
             tf.concat([p.values for p in parts], axis=0),
             tf.concat([tf.cast(p.indices, index_dtype) for p in parts], axis=0),
             parts[0].dense_shape)
-    if as_made:
-        return _sum_as_made(parts)
+    if made_after is not None:
+        return _sum_as_made(parts, made_after)
     return _running_sum([tf.convert_to_tensor(p) for p in parts])
 
 
-def _sum_as_made(parts: list) -> tf.Tensor:
+def _sum_as_made(parts: list, made_after: int) -> tf.Tensor:
     """`_running_sum` of `parts` in their ops' creation order, each sum a
     control input of the op making the next part: the executor adds each part
     as it comes, one running sum alive rather than every part (stock holds a
     block applied 8 times as 8 weight gradients), and the control edges keep
     Grappler's arithmetic optimizer from folding the chain into one AddN (it
-    leaves nodes with control dependencies alone). No edge where the next
-    part's op already leads to the sum: that would close a cycle (two parts
-    of one op, or an ordering edge of the rewrite running against creation)."""
+    leaves nodes with control dependencies alone).
+
+    Only ops made after graph version `made_after` (the rewrite's) are made to
+    wait, and none the sum already waits for: that edge would close a cycle
+    (two parts of one op, or an ordering edge of the rewrite running against
+    creation). A path from such an op to the sum runs through the rewrite's
+    ops alone, so the sum's ancestors among them, grown as the chain is,
+    tell: each op is walked once per sum, not once per part."""
     makers = {id(p): gradient_waits.gradient_values(p).op for p in parts}
     ordered = sorted(parts, key=lambda p: compat.creation_id(makers[id(p)]))
+    waited_for = set()
+
+    def wait_for(op):
+        todo = [op]
+        while todo:
+            op = todo.pop()
+            if op not in waited_for and compat.creation_id(op) > made_after:
+                waited_for.add(op)
+                todo.extend(gradient_waits.runs_after(op))
+
     total = tf.convert_to_tensor(ordered[0])
     for part, following in zip(ordered[1:], ordered[2:] + [None]):
         total = tf.add_n([total, tf.convert_to_tensor(part)])
-        if following is not None:
-            maker = makers[id(following)]
-            if not gradient_waits.reaches(maker, {total.op}):
-                compat.add_control_input(maker, total.op)
+        wait_for(total.op)
+        maker = None if following is None else makers[id(following)]
+        if maker is not None and maker not in waited_for and compat.creation_id(maker) > made_after:
+            compat.add_control_input(maker, total.op)
     return total
 
 
@@ -104,24 +119,28 @@ def _running_sum(parts: list) -> tf.Tensor:
 class GradientLedger:
     """Partial gradients per tensor name: add them, then settle or take them."""
 
-    def __init__(self):
+    def __init__(self, made_after: Optional[int] = None):
+        """`made_after`: the graph's version before the ledger's gradients were
+        made; the ops made after it may be ordered (`move`)."""
         self._unsent = {}  # name -> parts still to send through its op
         self._sent = {}  # name -> parts already sent through its op
         self._as_made = set()  # names whose parts are added as they are made (`move`)
+        self._made_after = made_after
 
     def add(self, name: str, gradient: Gradient, sent: bool = False) -> None:
         (self._sent if sent else self._unsent).setdefault(name, []).append(gradient)
 
     def move(self, name: str, to: str) -> None:
         """`name`'s unsent parts become parts of `to`'s, and `to`'s parts are
-        added up as they are made (`add_up`'s `as_made`)."""
+        added up as they are made (`add_up`'s `made_after`)."""
+        assert self._made_after is not None, "a ledger that orders no ops adds parts as stock"
         self._unsent.setdefault(to, []).extend(self._unsent.pop(name, []))
         self._as_made.add(to)
 
     def settle(self, name: str) -> Settled:
         """Removes `name`'s parts; returns its full gradient and its unsent part."""
         unsent, sent = self._unsent.pop(name, []), self._sent.pop(name, [])
-        total = add_up(unsent + sent, name in self._as_made)
+        total = add_up(unsent + sent, self._made_after_for(name))
         return Settled(total=total, unsent=add_up(unsent) if sent else total)
 
     def take_unsent(self, name: str) -> Optional[Gradient]:
@@ -133,4 +152,8 @@ class GradientLedger:
 
     def total(self, name: str) -> Optional[Gradient]:
         """The sum of every part of `name` so far, leaving them in place."""
-        return add_up(self._unsent.get(name, []) + self._sent.get(name, []), name in self._as_made)
+        return add_up(self._unsent.get(name, []) + self._sent.get(name, []),
+                      self._made_after_for(name))
+
+    def _made_after_for(self, name: str) -> Optional[int]:
+        return self._made_after if name in self._as_made else None

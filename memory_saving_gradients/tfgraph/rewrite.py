@@ -202,7 +202,7 @@ class _Backprop:
         self._boundary = copying.Boundary(reading, plan.kept, xs, graph)
         self._side = side_inputs.SideInputs(
             lambda name: name not in reading.region and not self._boundary.holds(name))
-        self._ledger = GradientLedger()
+        self._ledger = GradientLedger(made_after=graph.version)
         self._scratch_chain = gradient_order.ScratchChain()
         self._seeds = {}  # checkpoint -> its full gradient
         # The gradients the last phase returned: once they all exist, its
