@@ -42,6 +42,52 @@ OPAQUE_DTYPES = frozenset({tf.resource, tf.variant, tf.string})  # a set: asked 
 # and need not keep it alive for backprop.
 SHAPE_ONLY_OP_TYPES = frozenset({"Shape", "ShapeN", "Size", "Rank"})
 
+# A row (all axes but the first) must be a multiple of this many bytes for
+# TensorFlow's CPU kernels to return a first-axis slice as a view of its input
+# (Eigen's alignment): measured, rows of 128 and 4096 bytes were views, rows
+# of 20, 48, 96 and 4000 bytes copies.
+_VIEW_ROW_BYTES = 64
+
+
+def first_axis_view_of(op: tf.Operation):
+    """The tensor whose buffer `op`'s outputs are views of, where TensorFlow's
+    CPU kernel slices it along the first axis alone without copying: a
+    StridedSlice with unit strides or a Slice keeping every other axis whole,
+    an Unpack, Split or SplitV on axis 0, of a tensor of rank 2 or more whose
+    rows have a static size that is a multiple of 64 bytes. Else None."""
+    if op.type in ("StridedSlice", "Slice", "Unpack", "SplitV"):
+        source = op.inputs[0]
+    elif op.type == "Split":
+        source = op.inputs[1]
+    else:
+        return None
+    shape = source.shape
+    if (shape.rank is None or shape.rank < 2 or not shape[1:].is_fully_defined()
+            or source.dtype.base_dtype in OPAQUE_DTYPES
+            or shape[1:].num_elements() * source.dtype.size % _VIEW_ROW_BYTES):
+        return None
+    return source if _slices_first_axis_only(op, shape) else None
+
+
+def _slices_first_axis_only(op: tf.Operation, shape: tf.TensorShape) -> bool:
+    """Whether `op` (a slice, unpack or split of a tensor of `shape`) takes
+    whole rows only: the first axis sliced, every other kept whole."""
+    if op.type == "Unpack":
+        return op.get_attr("axis") in (0, -shape.rank)
+    if op.type in ("Split", "SplitV"):
+        axis = static_values.const_value(op.inputs[0] if op.type == "Split" else op.inputs[2])
+        return axis is not None and int(axis) in (0, -shape.rank)
+    out = op.outputs[0].shape
+    if op.type == "StridedSlice":
+        strides = static_values.const_value(op.inputs[3])
+        if (strides is None or np.any(strides != 1) or op.get_attr("ellipsis_mask")
+                or op.get_attr("new_axis_mask") or op.get_attr("shrink_axis_mask") not in (0, 1)):
+            return False
+        if op.get_attr("shrink_axis_mask"):
+            return out.rank is not None and out.as_list() == shape[1:].as_list()
+    return out.rank == shape.rank and out[1:].as_list() == shape[1:].as_list()
+
+
 # Ops whose CPU kernels write their one output into an input's buffer when
 # that input has no other reader and the output's shape and dtype
 # (`forward_input_or_allocate_output`): element-wise ops, their gradients,

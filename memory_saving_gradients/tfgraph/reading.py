@@ -315,11 +315,15 @@ def _deferred_weight_gradient_types(units, concurrent) -> frozenset:
 
 def _passed_through(op, activations) -> dict:
     """Output -> the input whose buffer it is, of an op that passes each input
-    through as the output of the same index (a tf.custom_gradient's IdentityN)."""
-    if op.type != "IdentityN":
-        return {}
-    return {o.name: i.name for i, o in zip(op.inputs, op.outputs)
-            if o.name in activations and i.name in activations}
+    through as the output of the same index (a tf.custom_gradient's IdentityN),
+    or that slices its input along the first axis as views
+    (`op_kinds.first_axis_view_of`: an RNN's `x[t]`, `tf.unstack`)."""
+    if op.type == "IdentityN":
+        pairs = zip(op.inputs, op.outputs)
+    else:
+        viewed = op_kinds.first_axis_view_of(op)
+        pairs = [] if viewed is None else [(viewed, o) for o in op.outputs]
+    return {o.name: i.name for i, o in pairs if o.name in activations and i.name in activations}
 
 
 def _named_stand_in(op, kind, index, activations):
@@ -421,8 +425,12 @@ def _made_outside(op, read, differentiated, data) -> dict:
     made = {}
     for t in op.inputs:
         if t.name in read and t.name not in differentiated and t.name in data:
-            while t.op.type in _PASS_THROUGH_OP_TYPES and t.op.inputs:
-                t = t.op.inputs[0]
+            while True:  # to the buffer it is: a reshaped view or slice is its source's
+                source = (t.op.inputs[0] if t.op.type in _PASS_THROUGH_OP_TYPES and t.op.inputs
+                          else op_kinds.first_axis_view_of(t.op))
+                if source is None:
+                    break
+                t = source
             if t.op.type not in op_kinds.DATA_SOURCE_OP_TYPES:
                 made[t.name] = loop_memory.list_bytes(t)
     return made
