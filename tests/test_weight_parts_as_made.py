@@ -130,3 +130,33 @@ def test_parts_one_op_sends_are_added_without_a_cycle():
     want = step(x, None)
     for checkpoints in ("memory", "speed"):
         _gradients_agree(step(x, checkpoints), want)
+
+
+@tf.RegisterGradient("ThreefoldReadOfParts")
+def _threefold_read(unused_op, grad):
+    return grad * 3.0
+
+
+def test_a_read_whose_gradient_is_overridden_sends_its_own():
+    # A read under a gradient_override_map is no plain read: its parts go
+    # through its gradient (tripled), not straight to the handle.
+    w = tf.Variable(tf.random.stateless_normal([64, 64], [1, 5]) * 0.1)
+
+    @tf.function
+    def step(x, ours):
+        h, outputs = x, []
+        for k in range(4):
+            read = w.read_value()
+            if k == 2:
+                with tf.compat.v1.get_default_graph().gradient_override_map(
+                        {"ReadVariableOp": "ThreefoldReadOfParts"}):
+                    read = tf.raw_ops.ReadVariableOp(resource=w.handle, dtype=w.dtype)
+            h = tf.tanh(tf.matmul(h, read) + 0.1 * k)
+            outputs.append(h)
+        loss = tf.reduce_sum(h * h)
+        if not ours:
+            return tf.gradients(loss, [w])
+        return msg.gradients(loss, [w], checkpoints=outputs[:3])  # a level per read
+
+    x = tf.random.stateless_normal([32, 64], [2, 5])
+    _gradients_agree(step(x, True), step(x, False))

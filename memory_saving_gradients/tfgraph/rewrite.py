@@ -301,11 +301,12 @@ class _Backprop:
 
     def _handle_read(self, name: str):
         """The name of the x whose variable `name` reads, if `name` is a plain
-        read of it (its gradient passes to the handle unchanged) that is
-        neither an x nor a stop itself; else None."""
+        read of it (its gradient passes to the handle unchanged: no
+        gradient_override_map on it) that is neither an x nor a stop itself;
+        else None."""
         op = self._graph.get_tensor_by_name(name).op
         outside = {t.name for t in self._xs + self._stops}
-        if (op.type != "ReadVariableOp" or name in outside
+        if (op.type != "ReadVariableOp" or name in outside or compat.gradient_overridden(op)
                 or op.inputs[0].name not in {x.name for x in self._xs}):
             return None
         return op.inputs[0].name
