@@ -10,6 +10,8 @@ import pytest
 import tensorflow as tf
 
 import memory_saving_gradients as msg
+from benchmarks.live_set_diff import allocator_events
+from benchmarks.live_set_diff import requested_peak
 from memory_saving_gradients.core.forward_order import freeing_ops_sooner
 
 
@@ -120,14 +122,16 @@ def test_a_side_branch_called_late_is_planned_within_its_layer():
     # creation order (c683cbd: every gate kept for its skip projection), 0.21
     # with the freeing ops moved up. The benchmark's 12-layer dilated Conv1D
     # WaveNet: 0.57 / 0.57 -> 0.36 / 0.37, default / one thread (docs/planner.md,
-    # session 77).
+    # session 77). Bytes requested (the profiler's): 0.195-0.209 in three runs
+    # (session 79), where the allocator's peak, BFC's chunks, moved from 0.19
+    # to 0.25 in one process and read 0.39 once in the full suite.
     model = _wavenet()
     x = tf.constant(np.random.default_rng(0).normal(size=(512, 256)), tf.float32)
     stock, ours = _steps(model)
     weights = sum(int(np.prod(w.shape)) * 4 for w in model.trainable_weights)
-    stock(x), ours(x)  # traced before the peaks are taken
-    stock_peak, expected = msg.function_peak_bytes(stock, x)
-    ours_peak, got = msg.function_peak_bytes(ours, x)
+    expected, got = stock(x), ours(x)  # traced before the peaks are taken
     for e, g in zip(expected, got):
         np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-5 * np.abs(e).max())
+    stock_peak = requested_peak(allocator_events(lambda inputs, _: stock(inputs), x, None))
+    ours_peak = requested_peak(allocator_events(lambda inputs, _: ours(inputs), x, None))
     assert (ours_peak - weights) / (stock_peak - weights) <= 0.35, (ours_peak, stock_peak)
