@@ -47,15 +47,21 @@ def waits_for(ops, op: tf.Operation) -> set:
 
 def _walk_back(ops, todo) -> set:
     """The ops of `ops` among `todo` (a list, consumed) and what they run after."""
-    among = set(ops)
     found = set()
+    add_ancestors(found, todo, set(ops).__contains__)
+    return found
+
+
+def add_ancestors(found: set, todo: list, within) -> None:
+    """Adds to `found` the ops of `todo` (a list, consumed) that `within`
+    accepts and those they run after through accepted ops; an op in `found`
+    already is not walked again, so a set grown call by call costs one walk."""
     while todo:
         op = todo.pop()
-        if op in found or op not in among:
+        if op in found or not within(op):
             continue
         found.add(op)
         todo.extend(runs_after(op))
-    return found
 
 
 def runs_after(op: tf.Operation) -> list:

@@ -74,20 +74,15 @@ def _sum_as_made(parts: list, made_after: int) -> tf.Tensor:
     ordered = sorted(parts, key=lambda p: compat.creation_id(makers[id(p)]))
     waited_for = set()
 
-    def wait_for(op):
-        todo = [op]
-        while todo:
-            op = todo.pop()
-            if op not in waited_for and compat.creation_id(op) > made_after:
-                waited_for.add(op)
-                todo.extend(gradient_waits.runs_after(op))
+    def made_by_the_rewrite(op):
+        return compat.creation_id(op) > made_after
 
     total = tf.convert_to_tensor(ordered[0])
     for part, following in zip(ordered[1:], ordered[2:] + [None]):
         total = tf.add_n([total, tf.convert_to_tensor(part)])
-        wait_for(total.op)
+        gradient_waits.add_ancestors(waited_for, [total.op], made_by_the_rewrite)
         maker = None if following is None else makers[id(following)]
-        if maker is not None and maker not in waited_for and compat.creation_id(maker) > made_after:
+        if maker is not None and maker not in waited_for and made_by_the_rewrite(maker):
             compat.add_control_input(maker, total.op)
     return total
 

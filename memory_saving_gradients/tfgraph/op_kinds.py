@@ -42,6 +42,18 @@ OPAQUE_DTYPES = frozenset({tf.resource, tf.variant, tf.string})  # a set: asked 
 # and need not keep it alive for backprop.
 SHAPE_ONLY_OP_TYPES = frozenset({"Shape", "ShapeN", "Size", "Rank"})
 
+def plain_read_handle(tensor: tf.Tensor, x_names) -> str | None:
+    """The name of the handle `tensor` reads, if it is a plain read of a
+    variable whose handle is among `x_names` (a ReadVariableOp under no
+    gradient_override_map: its gradient passes to the handle unchanged) and
+    is not itself among them; else None."""
+    op = tensor.op
+    if (op.type != "ReadVariableOp" or tensor.name in x_names or compat.gradient_overridden(op)
+            or op.inputs[0].name not in x_names):
+        return None
+    return op.inputs[0].name
+
+
 # A row (all axes but the first) must be a multiple of this many bytes for
 # TensorFlow's CPU kernels to return a first-axis slice as a view of its input
 # (Eigen's alignment): measured, rows of 128 and 4096 bytes were views, rows

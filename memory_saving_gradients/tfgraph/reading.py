@@ -558,8 +558,7 @@ def _weight_part(op, weight, x_names) -> _WeightPart:
     source = _cast_source(weight)
     whole = op_kinds.tensor_elements(weight) * source.dtype.size
     summed_at = _summed_at(weight, x_names)
-    plain = (weight.op.type == "ReadVariableOp" and weight.name not in x_names
-             and weight.op.inputs[0].name in x_names and not compat.gradient_overridden(weight.op))
+    plain = op_kinds.plain_read_handle(weight, x_names) is not None
     if (op.type in _ROW_GATHER_OP_TYPES and op.inputs[0] is weight
             and _gathers_along_first_axis(op) and _read_as_it_is(weight)):
         rows = (op_kinds.tensor_elements(op.outputs[0]) * source.dtype.size

@@ -49,6 +49,7 @@ from memory_saving_gradients.tfgraph import loop_chunks
 from memory_saving_gradients.tfgraph import loop_rerun
 from memory_saving_gradients.tfgraph import loops
 from memory_saving_gradients.tfgraph import max_pool_grad_grad
+from memory_saving_gradients.tfgraph import op_kinds
 from memory_saving_gradients.tfgraph import pool_gradients
 from memory_saving_gradients.tfgraph import side_inputs
 from memory_saving_gradients.tfgraph import workspace
@@ -289,7 +290,9 @@ class _Backprop:
         held 8 gradients of its weights)."""
         weights = [n for n in self._ledger.unsent_names() if self._reading.is_weight(n)]
         if self._reading.gated:  # control edges: not across tf.compat.v1 control flow contexts
-            handles = {n: self._handle_read(n) for n in weights}
+            x_names, stops = {x.name for x in self._xs}, {t.name for t in self._stops}
+            handles = {n: None if n in stops else op_kinds.plain_read_handle(
+                self._graph.get_tensor_by_name(n), x_names) for n in weights}
             for name, handle in handles.items():
                 if handle is not None:
                     self._ledger.move(name, handle)
@@ -298,18 +301,6 @@ class _Backprop:
             xs = list({x.name: x for x in self._xs}.values())
             self._differentiate(xs, [self._graph.get_tensor_by_name(n) for n in weights],
                                 [self._ledger.take_unsent(n) for n in weights], [])
-
-    def _handle_read(self, name: str):
-        """The name of the x whose variable `name` reads, if `name` is a plain
-        read of it (its gradient passes to the handle unchanged: no
-        gradient_override_map on it) that is neither an x nor a stop itself;
-        else None."""
-        op = self._graph.get_tensor_by_name(name).op
-        outside = {t.name for t in self._xs + self._stops}
-        if (op.type != "ReadVariableOp" or name in outside or compat.gradient_overridden(op)
-                or op.inputs[0].name not in {x.name for x in self._xs}):
-            return None
-        return op.inputs[0].name
 
     def results(self, unconnected) -> list:
         results, totals = [], {}
